@@ -1,0 +1,20 @@
+"""moestream COMMAND: convert, run (and the same as convert-moe / run-moe)."""
+
+from __future__ import annotations
+
+import click
+
+from .converter.cli import main as convert_cmd
+from .runtime.cli import main as run_cmd
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Run Mixture-of-Experts models whose experts do not fit in memory."""
+
+
+main.add_command(convert_cmd, "convert")
+main.add_command(run_cmd, "run")
+
+if __name__ == "__main__":
+    main()

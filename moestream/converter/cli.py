@@ -1,0 +1,61 @@
+"""convert-moe SOURCE OUT"""
+
+from __future__ import annotations
+
+import click
+
+from ..errors import user_errors
+from .pack import DTYPES, convert
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("source")
+@click.argument("out", type=click.Path())
+@click.option(
+    "--bits",
+    default=None,
+    help="Bits per expert projection, e.g. gate_proj=4,up_proj=4,down_proj=6; "
+    "a layer range as down_proj@0-3=8. Default: 4 for every projection.",
+)
+@click.option(
+    "--q-group-size",
+    default=64,
+    show_default=True,
+    type=int,
+    help="Quantization group size.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default=None,
+    help="Cast floating weights before quantizing (default: the source's).",
+)
+@click.option("--revision", default=None, help="Hub revision (branch, tag, commit).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def main(
+    source: str,
+    out: str,
+    bits: str | None,
+    q_group_size: int,
+    dtype: str | None,
+    revision: str | None,
+    force: bool,
+) -> None:
+    """Convert SOURCE (hub repo id or local directory) into a moestream model OUT."""
+    summary = user_errors(
+        lambda: convert(
+            source,
+            out,
+            bits=bits,
+            q_group_size=q_group_size,
+            dtype=dtype,
+            revision=revision,
+            force=force,
+        )
+    )
+    for line in summary.lines():
+        click.echo(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""Convert a checkpoint: re-quantize experts, write blobs, dense weights, manifest.
+
+One decoder layer at a time: read its tensors lazily, apply the family's
+mlx-lm `sanitize`, cast, quantize every module exactly as mlx-lm's
+`quantize_model` would with the recipe's predicate, then write the routed
+experts to the layer's blob and keep the rest for the dense safetensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import shutil
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from .. import __version__
+from ..families import Family, build_model, get_family, layer_index, switch_modules
+from ..formats import (
+    ExpertLayer,
+    Manifest,
+    Recipe,
+    pack_record,
+    record_layout,
+    stride_for,
+    write_blob,
+)
+from ..formats.manifest import PAGE_SIZE
+from .source import Source, SourceError, group_by_layer, open_source
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "float16", "bfloat16")
+MX_TO_NAME = {
+    mx.uint8: "uint8",
+    mx.uint32: "uint32",
+    mx.float16: "float16",
+    mx.bfloat16: "bfloat16",
+    mx.float32: "float32",
+}
+DENSE_SHARD_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class ConvertSummary:
+    out: Path
+    moe_layers: int
+    experts: int
+    record_bytes: tuple[int, int]
+    expert_bytes: int
+    dense_bytes: int
+    expert_bits_per_weight: float
+
+    def lines(self) -> list[str]:
+        lo, hi = self.record_bytes
+        rec = f"{lo / 1e6:.3f} MB" if lo == hi else f"{lo / 1e6:.3f}-{hi / 1e6:.3f} MB"
+        return [
+            f"Wrote {self.out}",
+            f"  MoE layers:      {self.moe_layers} x {self.experts} experts",
+            f"  expert record:   {rec}",
+            f"  experts total:   {self.expert_bytes / 1e9:.3f} GB "
+            f"({self.expert_bits_per_weight:.2f} bits per weight)",
+            f"  dense total:     {self.dense_bytes / 1e9:.3f} GB",
+        ]
+
+
+class ConvertError(ValueError):
+    """A conversion that cannot go ahead; the message says what to do."""
+
+
+def quant_predicate(model: nn.Module, recipe: Recipe) -> Callable:
+    """The recipe as an mlx-lm `quant_predicate` (path, module) -> bool | dict.
+
+    `mlx_lm.utils.quantize_model(model, config, recipe.dense_group_size,
+    recipe.dense_bits, quant_predicate=...)` with it builds the fully resident
+    model this converter's output must match bit for bit.
+    """
+    family_predicate = getattr(model, "quant_predicate", None)
+    experts = {p: layer_index(p) for p in switch_modules(model)}
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        parent, _, projection = path.rpartition(".")
+        if parent in experts:
+            return recipe.expert_spec(projection, experts[parent]).to_mlx()
+        return family_predicate(path, module) if family_predicate else True
+
+    return predicate
+
+
+def convert(
+    source: str,
+    out: str | Path,
+    bits: str | None = None,
+    q_group_size: int = 64,
+    dtype: str | None = None,
+    revision: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> ConvertSummary:
+    """Convert `source` (hub id or directory) into a moestream directory `out`."""
+    out = Path(out)
+    recipe = Recipe.parse(bits, q_group_size)
+    _check_destination(out, force)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"Unknown --dtype {dtype}; use one of {', '.join(DTYPES)}.")
+    src = open_source(source, revision)
+    family = get_family(src.config)
+    dtype = dtype or _source_dtype(src.config)
+    model = build_model(src.config)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        (tmp / "experts").mkdir(parents=True)
+        summary = _convert_into(src, family, model, recipe, dtype, tmp, progress)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return replace(summary, out=out)
+
+
+def _check_destination(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise ConvertError(
+            f"Cannot save to {out} as it already exists; remove it or pass --force."
+        )
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise ConvertError(f"Cannot save to {out}: {parent} does not exist.")
+    if not os.access(parent, os.W_OK):
+        raise ConvertError(f"Cannot save to {out}: {parent} is not writable.")
+
+
+def _source_dtype(config: dict) -> str:
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    if dtype is None and isinstance(config.get("text_config"), dict):
+        dtype = config["text_config"].get("dtype")
+    return dtype if dtype in DTYPES else "float32"
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished `tmp` to `out`, replacing an old `out` only at the end."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def _convert_into(
+    src: Source,
+    family: Family,
+    model: nn.Module,
+    recipe: Recipe,
+    dtype: str,
+    tmp: Path,
+    progress: bool,
+) -> ConvertSummary:
+    layers, rest = group_by_layer(list(src.files), family.layer_of)
+    units = [*layers.values(), rest]
+    modules = dict(model.named_modules())
+    switches = {p: layer_index(p) for p in switch_modules(model)}
+    _check_coverage(src, family, model, units)
+    predicate = _module_quantization(model, recipe)
+    quantization: dict = recipe.dense.to_mlx()
+    dense = _DenseWriter(tmp)
+    entries = []
+    for names in tqdm(units, desc="layers", unit="layer", disable=not progress):
+        weights = _prepare(src, family, model, names, getattr(mx, dtype))
+        out = _quantize_unit(weights, modules, predicate, quantization)
+        del weights
+        mx.eval(out)
+        for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
+            experts = _pop_prefixed(out, spath)
+            if experts:
+                entries.append(_write_layer(tmp, spath, layer, experts, quantization))
+        dense.add(out)
+    dense_files = dense.close()
+    manifest = Manifest(
+        model_type=src.config["model_type"],
+        dtype=dtype,
+        recipe=recipe,
+        layers=tuple(sorted(entries, key=lambda e: e.layer)),
+        dense_files=tuple(dense_files),
+        source={"repo_id": src.repo_id, "revision": src.revision},
+        created_by=f"moestream {__version__}",
+    )
+    _write_config(tmp, src.config, quantization)
+    for f in src.tokenizer_files():
+        shutil.copyfile(f, tmp / f.name)
+    manifest.save(tmp)
+    return _summary(manifest, dense.nbytes, switches, model)
+
+
+def _check_coverage(
+    src: Source, family: Family, model: nn.Module, units: list[list[str]]
+) -> None:
+    """Before any heavy work: every parameter present with its configured shape."""
+    expected = dict(tree_flatten(model.parameters()))
+    seen = set()
+    for names in units:
+        lazy = src.peek(names)
+        for name, w in family.sanitize(model, lazy).items():
+            if name not in expected:
+                raise SourceError(
+                    f"Unexpected tensor {name} for {src.config['model_type']}; "
+                    "is config.json the one of this checkpoint?"
+                )
+            if tuple(w.shape) != tuple(expected[name].shape):
+                raise SourceError(
+                    f"Tensor {name} has shape {tuple(w.shape)} but config.json "
+                    f"implies {tuple(expected[name].shape)}; the checkpoint and its "
+                    "config do not match."
+                )
+            seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise SourceError(
+            f"Checkpoint is missing {len(missing)} tensors (first: {missing[0]}); "
+            "download the complete checkpoint."
+        )
+
+
+def _prepare(
+    src: Source, family: Family, model: nn.Module, names: list[str], dtype: mx.Dtype
+) -> dict[str, mx.array]:
+    """One unit's tensors, sanitized to mlx-lm names and cast as mlx_lm.convert does."""
+    weights = family.sanitize(model, src.take(names))
+    cast = getattr(model, "cast_predicate", lambda _: True)
+    return {
+        k: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
+
+
+def _module_quantization(model: nn.Module, recipe: Recipe) -> Callable:
+    """(path, module) -> mlx quantization dict or None, as `quantize_model` decides."""
+    predicate = quant_predicate(model, recipe)
+
+    def params(path: str, module: nn.Module) -> dict | None:
+        if not hasattr(module, "to_quantized"):
+            return None
+        if module.weight.shape[-1] % recipe.dense_group_size != 0:
+            return None
+        r = predicate(path, module)
+        if r is False:
+            return None
+        return r if isinstance(r, dict) else True
+
+    return params
+
+
+def _quantize_unit(
+    weights: dict[str, mx.array],
+    modules: dict[str, nn.Module],
+    predicate: Callable,
+    quantization: dict,
+) -> dict[str, mx.array]:
+    by_module: dict[str, dict[str, mx.array]] = defaultdict(dict)
+    for key, w in weights.items():
+        mpath, _, pname = key.rpartition(".")
+        by_module[mpath][pname] = w
+    out = {}
+    for mpath, params in sorted(by_module.items()):
+        module = modules[mpath]
+        q = predicate(mpath, module)
+        if q is None:
+            out.update({f"{mpath}.{k}": v for k, v in params.items()})
+            continue
+        if isinstance(q, dict):
+            quantization[mpath] = q
+        else:
+            q = {k: quantization[k] for k in ("group_size", "bits", "mode")}
+        m = copy.copy(module)
+        m.update(params)
+        qm = m.to_quantized(**q)
+        out.update({f"{mpath}.{k}": v for k, v in tree_flatten(qm.parameters())})
+    return out
+
+
+def _pop_prefixed(out: dict[str, mx.array], prefix: str) -> dict[str, mx.array]:
+    keys = [k for k in out if k.startswith(prefix + ".")]
+    return {k[len(prefix) + 1 :]: out.pop(k) for k in keys}
+
+
+def _to_numpy(a: mx.array) -> np.ndarray:
+    """Raw storage of `a` (bfloat16 as 16-bit words)."""
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, copy=False)
+
+
+def _write_layer(
+    tmp: Path, spath: str, layer: int, experts: dict[str, mx.array], quantization: dict
+) -> ExpertLayer:
+    num_experts = next(iter(experts.values())).shape[0]
+    segments, record_nbytes = record_layout(
+        [
+            (
+                name,
+                MX_TO_NAME[a.dtype],
+                tuple(a.shape[1:]),
+                quantization.get(f"{spath}.{name.rpartition('.')[0]}")
+                if name.endswith((".weight", ".scales", ".biases"))
+                else None,
+            )
+            for name, a in experts.items()
+        ]
+    )
+    entry = ExpertLayer(
+        layer=layer,
+        module=spath,
+        file=f"experts/layer-{layer:03d}.blob",
+        num_experts=num_experts,
+        stride=stride_for(record_nbytes),
+        data_offset=PAGE_SIZE,
+        record_nbytes=record_nbytes,
+        segments=segments,
+        checksums=("",) * num_experts,
+    )
+    arrays = {name: _to_numpy(a) for name, a in experts.items()}
+    records = (
+        pack_record(segments, record_nbytes, {n: a[e] for n, a in arrays.items()})
+        for e in range(num_experts)
+    )
+    sums = write_blob(tmp / entry.file, entry, records)
+    return replace(entry, checksums=tuple(sums))
+
+
+class _DenseWriter:
+    """Dense tensors into `dense.safetensors`, or shards plus an index when large."""
+
+    def __init__(self, directory: Path, shard_bytes: int = DENSE_SHARD_BYTES):
+        self.directory = directory
+        self.shard_bytes = shard_bytes
+        self.pending: dict[str, mx.array] = {}
+        self.shards: list[dict[str, str]] = []
+        self.nbytes = 0
+
+    def add(self, arrays: dict[str, mx.array]) -> None:
+        self.pending.update(arrays)
+        self.nbytes += sum(a.nbytes for a in arrays.values())
+        if sum(a.nbytes for a in self.pending.values()) >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"dense-{len(self.shards) + 1:05d}.safetensors"
+        mx.save_safetensors(str(self.directory / name), self.pending, {"format": "mlx"})
+        self.shards.append({k: name for k in self.pending})
+        self.pending = {}
+
+    def close(self) -> list[str]:
+        if not self.shards:
+            mx.save_safetensors(
+                str(self.directory / "dense.safetensors"),
+                self.pending,
+                {"format": "mlx"},
+            )
+            return ["dense.safetensors"]
+        self._flush()
+        weight_map = {k: v for shard in self.shards for k, v in shard.items()}
+        index = {
+            "metadata": {"total_size": self.nbytes},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (self.directory / "dense.safetensors.index.json").write_text(
+            json.dumps(index, indent=1) + "\n"
+        )
+        return sorted(set(weight_map.values()))
+
+
+def _write_config(tmp: Path, config: dict, quantization: dict) -> None:
+    """The source config plus mlx-lm's quantization entries (as save_config writes)."""
+    config = {k: v for k, v in config.items() if k != "_name_or_path"}
+    config["quantization"] = quantization
+    config["quantization_config"] = quantization
+    (tmp / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=4))
+
+
+def _summary(
+    manifest: Manifest, dense_bytes: int, switches: dict[str, int], model: nn.Module
+) -> ConvertSummary:
+    from ..families import module_at
+
+    params = 0
+    for spath in switches:
+        for _, w in tree_flatten(module_at(model, spath).parameters()):
+            if w.ndim == 3:
+                params += math.prod(w.shape)
+    records = [layer.record_nbytes for layer in manifest.layers]
+    return ConvertSummary(
+        out=Path(),
+        moe_layers=len(manifest.layers),
+        experts=manifest.layers[0].num_experts if manifest.layers else 0,
+        record_bytes=(min(records, default=0), max(records, default=0)),
+        expert_bytes=manifest.expert_bytes,
+        dense_bytes=dense_bytes,
+        expert_bits_per_weight=8 * manifest.expert_bytes / max(params, 1),
+    )

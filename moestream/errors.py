@@ -1,0 +1,23 @@
+"""User-facing errors: the CLIs print these as one line, without a traceback."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+import click
+
+T = TypeVar("T")
+
+
+def user_errors(fn: Callable[[], T]) -> T:
+    """Run `fn`; turn the library's ValueError / OSError into a one-line exit 2."""
+    try:
+        return fn()
+    except (ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)

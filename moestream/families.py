@@ -1,0 +1,111 @@
+"""Model families: a thin registry over mlx-lm's model code.
+
+mlx-lm implements each family; moestream only needs to know where a family's
+checkpoint keeps a layer's tensors and how to find its routed experts (every
+mlx-lm MoE block calls a `SwitchGLU`, found by type, not by name).
+Adding a family is one `Family` entry here plus a test model in tests/.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.utils import _get_classes
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint whose family moestream does not run."""
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    # Source tensor names of decoder layer N start with this (group 1 = N).
+    layer_pattern: str = r"^model\.layers\.(\d+)\."
+
+    def layer_of(self, name: str) -> int | None:
+        m = re.match(self.layer_pattern, name)
+        return int(m.group(1)) if m else None
+
+    def sanitize(
+        self, model: nn.Module, weights: dict[str, mx.array]
+    ) -> dict[str, mx.array]:
+        """mlx-lm's own renames and expert stacking, on one layer's tensors."""
+        return model.sanitize(weights) if hasattr(model, "sanitize") else weights
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in [Family("qwen3_moe")]}
+
+
+def get_family(config: dict) -> Family:
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        hint = (
+            " (its config asks for remote code, which is never run)"
+            if config.get("auto_map")
+            else ""
+        )
+        raise UnsupportedModelError(
+            f"Model type {model_type!r} is not supported{hint}; "
+            f"supported: {', '.join(sorted(FAMILIES))}."
+        )
+    return FAMILIES[model_type]
+
+
+def build_model(config: dict) -> nn.Module:
+    """The family's mlx-lm model with lazily initialised (never evaluated) weights."""
+    get_family(config)
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config))
+
+
+def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast floating parameters as mlx_lm.convert --dtype does (a no-op when equal)."""
+    keep = getattr(model, "cast_predicate", lambda _: True)
+
+    def cast(path: str, v: mx.array) -> mx.array:
+        if keep(path) and mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype:
+            return v.astype(dtype)
+        return v
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+
+
+def switch_modules(model: nn.Module) -> dict[str, SwitchGLU]:
+    """Every routed-expert module of `model`, by module path."""
+    return {p: m for p, m in model.named_modules() if isinstance(m, SwitchGLU)}
+
+
+def module_at(root: nn.Module, path: str) -> nn.Module:
+    node = root
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def replace_module(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = module_at(root, parent_path) if parent_path else root
+    if isinstance(parent, list):
+        parent[int(name)] = new
+    else:
+        parent[name] = new
+
+
+def layer_index(module_path: str) -> int:
+    """The decoder layer an mlx-lm module path belongs to (`...layers.N....`)."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", module_path)
+    if m is None:
+        raise UnsupportedModelError(
+            f"Cannot tell the layer of expert module {module_path}."
+        )
+    return int(m.group(1))
+
+
+QuantPredicate = Callable[[str, nn.Module], bool | dict]

@@ -1,0 +1,34 @@
+"""The one contract between converter and runtime: manifest, blobs, recipe."""
+
+from .blob import BlobReader, checksum, pack_record, write_blob
+from .manifest import (
+    FORMAT_VERSION,
+    SUPPORTED_VERSIONS,
+    ExpertLayer,
+    FormatError,
+    Manifest,
+    Segment,
+    load_manifest,
+    record_layout,
+    stride_for,
+)
+from .recipe import QuantSpec, Recipe, RecipeError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SUPPORTED_VERSIONS",
+    "BlobReader",
+    "ExpertLayer",
+    "FormatError",
+    "Manifest",
+    "QuantSpec",
+    "Recipe",
+    "RecipeError",
+    "Segment",
+    "checksum",
+    "load_manifest",
+    "pack_record",
+    "record_layout",
+    "stride_for",
+    "write_blob",
+]

@@ -1,0 +1,181 @@
+"""Per-layer expert blob: a header page, then one aligned record per expert.
+
+    [header page: PAGE_SIZE bytes][expert 0 record, padded to stride][expert 1]...
+
+Expert `e` starts at `data_offset + e * stride`; its segments sit at the
+offsets the manifest's segment table gives. Records are zero-padded, so the
+same experts always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from .manifest import PAGE_SIZE, ExpertLayer, FormatError, Segment
+
+MAGIC = b"MOEBLOB\x00"
+BLOB_VERSION = 1
+# magic, version, layer, num_experts, page size, stride, data_offset,
+# record_nbytes, then a crc32 of everything before it.
+HEADER = struct.Struct("<8sIIIIQQQ")
+HEADER_CRC = struct.Struct("<I")
+
+NUMPY_DTYPES = {
+    "uint8": np.uint8,
+    "uint32": np.uint32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,  # numpy has no bfloat16: carried as raw 16-bit words
+    "float32": np.float32,
+}
+
+
+def checksum(data: bytes | memoryview) -> str:
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def pack_header(layer: ExpertLayer) -> bytes:
+    head = HEADER.pack(
+        MAGIC,
+        BLOB_VERSION,
+        layer.layer,
+        layer.num_experts,
+        PAGE_SIZE,
+        layer.stride,
+        layer.data_offset,
+        layer.record_nbytes,
+    )
+    head += HEADER_CRC.pack(zlib.crc32(head))
+    return head + b"\x00" * (layer.data_offset - len(head))
+
+
+def pack_record(
+    segments: tuple[Segment, ...], record_nbytes: int, arrays: dict[str, np.ndarray]
+) -> bytes:
+    """Lay out one expert's tensors (numpy, raw bytes per segment dtype)."""
+    buf = bytearray(record_nbytes)
+    if set(arrays) != {s.name for s in segments}:
+        raise ValueError(
+            f"Record tensors {sorted(arrays)} do not match the segment table "
+            f"{sorted(s.name for s in segments)}."
+        )
+    for s in segments:
+        raw = np.ascontiguousarray(arrays[s.name]).tobytes()
+        if len(raw) != s.nbytes:
+            raise ValueError(
+                f"Segment {s.name}: {len(raw)} bytes, expected {s.nbytes}."
+            )
+        buf[s.offset : s.offset + s.nbytes] = raw
+    return bytes(buf)
+
+
+def write_blob(path: Path, layer: ExpertLayer, records: Iterable[bytes]) -> list[str]:
+    """Write the header and every record to `path` (temp name, then rename).
+
+    Returns the checksum of each record, in expert order.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    sums: list[str] = []
+    pad = b""
+    with open(tmp, "wb") as f:
+        f.write(pack_header(layer))
+        for record in records:
+            if len(record) != layer.record_nbytes:
+                raise ValueError(
+                    f"Record of {len(record)} bytes, expected {layer.record_nbytes}."
+                )
+            sums.append(checksum(record))
+            pad = b"\x00" * (layer.stride - len(record))
+            f.write(record)
+            f.write(pad)
+        f.flush()
+        os.fsync(f.fileno())
+    if len(sums) != layer.num_experts:
+        tmp.unlink()
+        raise ValueError(f"Wrote {len(sums)} records, expected {layer.num_experts}.")
+    os.replace(tmp, path)
+    return sums
+
+
+class BlobReader:
+    """Read-only, memory-mapped view of one layer's blob, checked against the manifest."""
+
+    def __init__(self, path: Path, layer: ExpertLayer):
+        self.path = Path(path)
+        self.layer = layer
+        if not self.path.is_file():
+            raise FormatError(
+                f"Expert blob {self.path} for layer {layer.layer} is missing; "
+                "convert again."
+            )
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._check_size_and_header()
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _check_size_and_header(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size != self.layer.file_nbytes:
+            state = "truncated" if size < self.layer.file_nbytes else "extended"
+            raise FormatError(
+                f"Expert blob {self.path} is {state} ({size} bytes, manifest says "
+                f"{self.layer.file_nbytes}); convert again."
+            )
+        raw = os.pread(self._fd, HEADER.size + HEADER_CRC.size, 0)
+        head = HEADER.unpack(raw[: HEADER.size])
+        (crc,) = HEADER_CRC.unpack(raw[HEADER.size :])
+        expected = HEADER.unpack(pack_header(self.layer)[: HEADER.size])
+        if head[0] != MAGIC:
+            raise FormatError(f"{self.path} is not a moestream expert blob.")
+        if crc != zlib.crc32(raw[: HEADER.size]) or head != expected:
+            raise FormatError(
+                f"Header of {self.path} does not match manifest.json (layer, "
+                "expert count or stride differ); convert again."
+            )
+
+    def record(self, expert: int) -> memoryview:
+        """Zero-copy view of expert `expert`'s record bytes."""
+        if not 0 <= expert < self.layer.num_experts:
+            raise IndexError(
+                f"Expert {expert} out of range in layer {self.layer.layer}"
+            )
+        start = self.layer.data_offset + expert * self.layer.stride
+        return memoryview(self._map)[start : start + self.layer.record_nbytes]
+
+    def verify(self, expert: int) -> bool:
+        return checksum(self.record(expert)) == self.layer.checksums[expert]
+
+    def segment(self, record: memoryview, seg: Segment) -> np.ndarray:
+        """View of one segment of a record as a numpy array of its storage dtype."""
+        return np.frombuffer(
+            record,
+            NUMPY_DTYPES[seg.dtype],
+            count=seg.nbytes // np.dtype(NUMPY_DTYPES[seg.dtype]).itemsize,
+            offset=seg.offset,
+        ).reshape(seg.shape)
+
+    def close(self) -> None:
+        if getattr(self, "_map", None) is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a numpy view still points into the map; the OS frees it
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> BlobReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,353 @@
+"""manifest.json: everything the runtime needs to read a converted model.
+
+The reader trusts nothing: it checks the version, that every file stays
+inside the model directory, and that sizes and offsets are consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .recipe import MODES, Recipe, RecipeError
+
+FORMAT_NAME = "moestream"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MANIFEST_NAME = "manifest.json"
+# Apple's page size; also a multiple of Linux pages and O_DIRECT alignment.
+PAGE_SIZE = 16384
+SEGMENT_ALIGN = 64
+CHECKSUM_ALGORITHM = "crc32"
+# A manifest larger than this is not a manifest.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_FILE_BYTES = 1 << 46
+
+DTYPE_SIZES = {
+    "uint8": 1,
+    "uint32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+}
+
+
+class FormatError(ValueError):
+    """A converted model directory that cannot be used as it is."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One tensor of an expert record, at `offset` bytes inside the record."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    bits: int | None = None
+    group_size: int | None = None
+    mode: str | None = None
+
+    @property
+    def projection(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """The routed experts of one MoE layer, stored in one blob file."""
+
+    layer: int
+    module: str
+    file: str
+    num_experts: int
+    stride: int
+    data_offset: int
+    record_nbytes: int
+    segments: tuple[Segment, ...]
+    checksums: tuple[str, ...]
+
+    @property
+    def file_nbytes(self) -> int:
+        return self.data_offset + self.num_experts * self.stride
+
+    def segment(self, name: str) -> Segment:
+        for s in self.segments:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def quant_params(self) -> dict[str, dict[str, Any]]:
+        """Per projection: the mlx quantization of its weight segment."""
+        return {
+            s.projection: {"bits": s.bits, "group_size": s.group_size, "mode": s.mode}
+            for s in self.segments
+            if s.name.endswith(".weight") and s.bits is not None
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_type: str
+    dtype: str
+    recipe: Recipe
+    layers: tuple[ExpertLayer, ...]
+    dense_files: tuple[str, ...]
+    source: dict[str, Any] = field(default_factory=dict)
+    created_by: str = ""
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(layer.num_experts * layer.record_nbytes for layer in self.layers)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(layer.file_nbytes for layer in self.layers)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["recipe"] = self.recipe.to_dict()
+        d["expert_bytes"] = self.expert_bytes
+        d["total_bytes"] = self.total_bytes
+        return json.dumps(d, indent=1, sort_keys=True) + "\n"
+
+    def save(self, directory: Path) -> None:
+        write_atomic(Path(directory) / MANIFEST_NAME, self.to_json().encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary name beside `path`, then rename it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def record_layout(
+    tensors: list[tuple[str, str, tuple[int, ...], dict[str, Any] | None]],
+) -> tuple[tuple[Segment, ...], int]:
+    """Place segments (name, dtype, shape, quant) 64-byte aligned in one record."""
+    segments, offset = [], 0
+    for name, dtype, shape, quant in sorted(tensors, key=lambda t: t[0]):
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        q = quant or {}
+        segments.append(
+            Segment(
+                name,
+                dtype,
+                tuple(shape),
+                offset,
+                nbytes,
+                q.get("bits"),
+                q.get("group_size"),
+                q.get("mode"),
+            )
+        )
+        offset = _align(offset + nbytes, SEGMENT_ALIGN)
+    record_nbytes = segments[-1].offset + segments[-1].nbytes if segments else 0
+    return tuple(segments), record_nbytes
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def stride_for(record_nbytes: int) -> int:
+    return max(PAGE_SIZE, _align(record_nbytes, PAGE_SIZE))
+
+
+# ---------------------------------------------------------------- reading
+
+
+def load_manifest(directory: str | Path) -> Manifest:
+    """Read and validate `directory/manifest.json`; raise FormatError on any flaw."""
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not directory.is_dir():
+        raise FormatError(
+            f"{directory} is not a directory; pass the output directory of convert-moe."
+        )
+    if not path.is_file():
+        raise FormatError(
+            f"{path} is missing; {directory} is not a converted model "
+            "(run convert-moe first)."
+        )
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes.")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path} is not valid JSON ({e}); convert again.") from e
+    try:
+        manifest = _from_dict(d)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"{path} is malformed: {e!r}; convert again.") from e
+    validate(manifest, directory)
+    return manifest
+
+
+def _from_dict(d: dict[str, Any]) -> Manifest:
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+        raise FormatError("manifest.json is not a moestream manifest.")
+    version = d.get("version")
+    if version not in SUPPORTED_VERSIONS:
+        raise FormatError(
+            f"Unsupported format version {version!r} (this moestream reads "
+            f"{list(SUPPORTED_VERSIONS)}); upgrade moestream or convert again."
+        )
+    try:
+        recipe = Recipe.from_dict(d["recipe"])
+    except RecipeError as e:
+        raise FormatError(str(e)) from e
+    layers = tuple(
+        ExpertLayer(
+            layer=_int(e["layer"]),
+            module=str(e["module"]),
+            file=str(e["file"]),
+            num_experts=_int(e["num_experts"]),
+            stride=_int(e["stride"]),
+            data_offset=_int(e["data_offset"]),
+            record_nbytes=_int(e["record_nbytes"]),
+            segments=tuple(_segment(s) for s in e["segments"]),
+            checksums=tuple(str(c) for c in e["checksums"]),
+        )
+        for e in d["layers"]
+    )
+    return Manifest(
+        model_type=str(d["model_type"]),
+        dtype=str(d["dtype"]),
+        recipe=recipe,
+        layers=layers,
+        dense_files=tuple(str(f) for f in d["dense_files"]),
+        source=dict(d.get("source", {})),
+        created_by=str(d.get("created_by", "")),
+        checksum_algorithm=str(d["checksum_algorithm"]),
+        format=d["format"],
+        version=version,
+    )
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise FormatError(f"Expected an integer in manifest.json, got {v!r}.")
+    return v
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else _int(v)
+
+
+def _segment(s: dict[str, Any]) -> Segment:
+    return Segment(
+        name=str(s["name"]),
+        dtype=str(s["dtype"]),
+        shape=tuple(_int(x) for x in s["shape"]),
+        offset=_int(s["offset"]),
+        nbytes=_int(s["nbytes"]),
+        bits=_opt_int(s.get("bits")),
+        group_size=_opt_int(s.get("group_size")),
+        mode=None if s.get("mode") is None else str(s["mode"]),
+    )
+
+
+def validate(m: Manifest, directory: Path) -> None:
+    """Check every size, offset and path of `m`; raise FormatError on the first flaw."""
+    if m.checksum_algorithm != CHECKSUM_ALGORITHM:
+        raise FormatError(
+            f"Unknown checksum algorithm {m.checksum_algorithm!r}; convert again."
+        )
+    for f in m.dense_files:
+        inside(directory, f)
+    seen_layers, seen_files = set(), set()
+    for layer in m.layers:
+        where = f"layer {layer.layer}"
+        if layer.layer < 0 or layer.layer in seen_layers:
+            raise FormatError(f"Layer index {layer.layer} is negative or repeated.")
+        if layer.file in seen_files:
+            raise FormatError(f"{where}: blob {layer.file} is shared with a layer.")
+        seen_layers.add(layer.layer)
+        seen_files.add(layer.file)
+        inside(directory, layer.file)
+        _validate_layer(layer, where)
+
+
+def _validate_layer(layer: ExpertLayer, where: str) -> None:
+    if not 0 < layer.num_experts <= 1 << 20:
+        raise FormatError(f"{where}: absurd expert count {layer.num_experts}.")
+    for name, v in (("stride", layer.stride), ("data_offset", layer.data_offset)):
+        if v <= 0 or v % PAGE_SIZE:
+            raise FormatError(
+                f"{where}: {name} {v} is not a positive multiple of {PAGE_SIZE}."
+            )
+    if not 0 < layer.record_nbytes <= layer.stride:
+        raise FormatError(
+            f"{where}: record size {layer.record_nbytes} does not fit "
+            f"the stride {layer.stride}."
+        )
+    if layer.file_nbytes > MAX_FILE_BYTES:
+        raise FormatError(f"{where}: absurd blob size {layer.file_nbytes}.")
+    if len(layer.checksums) != layer.num_experts:
+        raise FormatError(
+            f"{where}: {len(layer.checksums)} checksums for "
+            f"{layer.num_experts} experts."
+        )
+    end, names = 0, set()
+    for s in sorted(layer.segments, key=lambda s: s.offset):
+        _validate_segment(s, where)
+        if s.name in names:
+            raise FormatError(f"{where}: duplicate segment {s.name}.")
+        names.add(s.name)
+        if s.offset < end:
+            raise FormatError(f"{where}: segment {s.name} overlaps the previous one.")
+        end = s.offset + s.nbytes
+    if not layer.segments or end != layer.record_nbytes:
+        raise FormatError(
+            f"{where}: segments end at {end}, record says {layer.record_nbytes}."
+        )
+
+
+def _validate_segment(s: Segment, where: str) -> None:
+    if s.dtype not in DTYPE_SIZES:
+        raise FormatError(f"{where}: segment {s.name} has unknown dtype {s.dtype!r}.")
+    if s.mode is not None and s.mode not in MODES:
+        raise FormatError(f"{where}: segment {s.name} has unknown mode {s.mode!r}.")
+    if s.offset < 0 or s.offset % SEGMENT_ALIGN:
+        raise FormatError(
+            f"{where}: segment {s.name} offset {s.offset} is not "
+            f"{SEGMENT_ALIGN}-byte aligned."
+        )
+    if any(d <= 0 for d in s.shape) or len(s.shape) > 4:
+        raise FormatError(f"{where}: segment {s.name} has bad shape {s.shape}.")
+    if math.prod(s.shape) * DTYPE_SIZES[s.dtype] != s.nbytes:
+        raise FormatError(
+            f"{where}: segment {s.name} shape {s.shape} ({s.dtype}) "
+            f"does not match {s.nbytes} bytes."
+        )
+
+
+def inside(directory: Path, name: str) -> Path:
+    """Resolve `name` under `directory`, refusing anything that escapes it."""
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise FormatError(
+            f"File name {name!r} in manifest.json escapes the model "
+            "directory; refusing it."
+        )
+    root = directory.resolve()
+    path = (directory / name).resolve()
+    if root != path and root not in path.parents:
+        raise FormatError(
+            f"File {name!r} resolves outside {directory} (symlink?); refusing it."
+        )
+    return path

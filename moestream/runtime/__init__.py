@@ -1,0 +1,17 @@
+"""run-moe: generate with a converted model, streaming experts from disk."""
+
+from .loader import BudgetError, MemoryPlan, Runtime, load, parse_size, runtime, stats
+from .pool import RuntimeStats
+from .store import ExpertReadError
+
+__all__ = [
+    "BudgetError",
+    "ExpertReadError",
+    "MemoryPlan",
+    "Runtime",
+    "RuntimeStats",
+    "load",
+    "parse_size",
+    "runtime",
+    "stats",
+]

@@ -1,0 +1,318 @@
+"""manifest -> an mlx-lm model whose routed experts stream from disk."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import infer_quant_config, load_config, load_tokenizer
+
+from ..families import build_model, cast_floating, replace_module, switch_modules
+from ..formats import FormatError, Manifest, load_manifest
+from ..formats.manifest import inside
+from .pool import RuntimeStats
+from .store import ExpertStore, check_layers
+from .switch import StreamingSwitchGLU
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# KV cache and activations are sized for this many tokens unless told otherwise.
+DEFAULT_CONTEXT = 4096
+# mlx-lm's generate_step prefills in chunks of this many tokens.
+PREFILL_STEP = 2048
+
+
+class BudgetError(ValueError):
+    """A memory budget the model cannot run in."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How `--memory-budget` splits; every figure in bytes."""
+
+    budget: int | None
+    process: int
+    dense: int
+    kv_cache: int
+    activations: int
+    slot_bytes: int  # one slot in every MoE layer
+    capacity: int
+    num_experts: int
+
+    @property
+    def pools(self) -> int:
+        return self.slot_bytes * self.capacity
+
+    @property
+    def total(self) -> int:
+        return self.process + self.dense + self.kv_cache + self.activations + self.pools
+
+    def describe(self) -> str:
+        mb = 1 << 20
+        return (
+            f"memory plan: process {self.process / mb:.0f} MB + dense "
+            f"{self.dense / mb:.0f} MB + KV {self.kv_cache / mb:.0f} MB + activations "
+            f"{self.activations / mb:.0f} MB + experts {self.pools / mb:.0f} MB "
+            f"({self.capacity}/{self.num_experts} per layer) = {self.total / mb:.0f} MB"
+            + (f" of {self.budget / mb:.0f} MB" if self.budget else "")
+        )
+
+
+@dataclass
+class Runtime:
+    """What `load` attaches to the model: manifest, plan, stats, open blobs."""
+
+    directory: Path
+    manifest: Manifest
+    plan: MemoryPlan
+    stats: RuntimeStats
+    store: ExpertStore
+    compute_dtype: mx.Dtype
+
+
+def load(
+    path: str | Path,
+    memory_budget: int | str | None = None,
+    cache_experts: int | None = None,
+    dtype: str = "auto",
+    verify: bool = True,
+    context: int = DEFAULT_CONTEXT,
+) -> tuple[nn.Module, TokenizerWrapper]:
+    """Load a converted model for `mlx_lm.generate` / `mlx_lm.stream_generate`.
+
+    memory_budget: bytes (or "8G") for the whole process: dense weights, expert
+        slots, KV cache and activations for `context` tokens. Default: 80 % of RAM.
+    cache_experts: resident expert slots per MoE layer; overrides the budget.
+    dtype: compute dtype; "auto" is float32 on a CPU, the stored dtype on a GPU.
+    verify: check each expert record's checksum the first time it is read.
+    """
+    directory = Path(path)
+    manifest = load_manifest(directory)
+    if dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype {dtype}; use one of {', '.join(DTYPES)}.")
+    compute = getattr(mx, resolve_dtype(dtype, manifest.dtype))
+    process = _process_bytes()
+    config = load_config(directory)
+    model = build_model(config)
+    switches = switch_modules(model)
+    layers = check_layers(manifest, switches)
+    dense = _load_dense(model, directory, manifest, config)
+    cast_floating(model, compute)
+    plan = plan_memory(
+        manifest,
+        config,
+        _nbytes(model),
+        compute,
+        process,
+        context,
+        parse_size(memory_budget) if memory_budget is not None else None,
+        cache_experts,
+    )
+    del dense
+    stats = RuntimeStats()
+    store = ExpertStore(directory, manifest, verify=verify)
+    for spath, module in switches.items():
+        streaming = StreamingSwitchGLU(
+            module, layers[spath], store, plan.capacity, compute, stats
+        )
+        replace_module(model, spath, streaming)
+    mx.eval(model.parameters())
+    model.eval()
+    model.moestream = Runtime(directory, manifest, plan, stats, store, compute)
+    tokenizer = load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer
+
+
+def stats(model: nn.Module) -> RuntimeStats:
+    """The counters of a model returned by `load`."""
+    return runtime(model).stats
+
+
+def runtime(model: nn.Module) -> Runtime:
+    rt = getattr(model, "moestream", None)
+    if rt is None:
+        raise ValueError("This model was not loaded by moestream.load.")
+    return rt
+
+
+def resolve_dtype(dtype: str, stored: str) -> str:
+    if dtype != "auto":
+        return dtype
+    return "float32" if mx.default_device() == mx.cpu else stored
+
+
+def _load_dense(
+    model: nn.Module, directory: Path, manifest: Manifest, config: dict
+) -> dict[str, mx.array]:
+    weights = {}
+    for name in manifest.dense_files:
+        f = inside(directory, name)
+        if not f.is_file():
+            raise FormatError(f"Dense weights {f} are missing; convert again.")
+        weights.update(mx.load(str(f)))
+    quantization = config.get("quantization", {})
+
+    def predicate(p: str, m: nn.Module) -> bool | dict:
+        if p in quantization:
+            return quantization[p]
+        if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
+            return False
+        return infer_quant_config(p, m, weights)
+
+    nn.quantize(
+        model,
+        group_size=quantization.get("group_size", 64),
+        bits=quantization.get("bits", 4),
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+    switches = switch_modules(model)
+    expert_keys = {
+        k
+        for k, _ in tree_flatten(model.parameters())
+        if any(k.startswith(s + ".") for s in switches)
+    }
+    try:
+        model.load_weights(
+            list(weights.items()) + _placeholders(model, expert_keys), strict=True
+        )
+    except ValueError as e:
+        raise FormatError(f"Dense weights do not fit the model: {e}") from e
+    return weights
+
+
+def _placeholders(model: nn.Module, keys: set[str]) -> list[tuple[str, mx.array]]:
+    """The expert tensors stream from blobs: keep the lazy, never-evaluated ones."""
+    params = dict(tree_flatten(model.parameters()))
+    return [(k, params[k]) for k in sorted(keys)]
+
+
+def _nbytes(model: nn.Module) -> int:
+    switches = switch_modules(model)
+    return sum(
+        v.nbytes
+        for k, v in tree_flatten(model.parameters())
+        if not any(k.startswith(s + ".") for s in switches)
+    )
+
+
+def plan_memory(
+    manifest: Manifest,
+    config: dict,
+    dense: int,
+    compute: mx.Dtype,
+    process: int,
+    context: int,
+    budget: int | None,
+    cache_experts: int | None,
+) -> MemoryPlan:
+    num_experts = max(layer.num_experts for layer in manifest.layers)
+    top_k = int(config.get("num_experts_per_tok", 1))
+    slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
+    kv, act = _kv_bytes(config, context, compute), _activation_bytes(config, context)
+    plan = MemoryPlan(budget, process, dense, kv, act, slot, num_experts, num_experts)
+    if cache_experts is not None:
+        if not cache_experts >= 1:
+            raise BudgetError(
+                f"--cache-experts must be at least 1, got {cache_experts}."
+            )
+        capacity = min(cache_experts, num_experts)
+    else:
+        budget = budget if budget is not None else int(0.8 * _physical_memory())
+        free = budget - (plan.total - plan.pools)
+        capacity = min(num_experts, max(free, 0) // max(slot, 1))
+        if capacity < top_k:
+            need = plan.total - plan.pools + top_k * slot
+            raise BudgetError(
+                f"Memory budget {_fmt(budget)} is too small: process, dense weights, "
+                f"KV cache and activations need {_fmt(plan.total - plan.pools)}, and "
+                f"{top_k} expert slots per layer {_fmt(top_k * slot)}; give "
+                f"--memory-budget {_fmt(need, up=True)} or more."
+            )
+    return MemoryPlan(budget, process, dense, kv, act, slot, capacity, num_experts)
+
+
+def _slot_nbytes(layer, compute: mx.Dtype) -> int:
+    float_size = compute.size
+    return sum(
+        s.nbytes // 2 * float_size
+        if s.dtype in ("bfloat16", "float16")
+        else s.nbytes // 4 * float_size
+        if s.dtype == "float32"
+        else s.nbytes
+        for s in layer.segments
+    )
+
+
+def _kv_bytes(config: dict, context: int, compute: mx.Dtype) -> int:
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    layers = config["num_hidden_layers"]
+    steps = -(-context // 256) * 256  # mlx-lm's KVCache grows in 256-token steps
+    return 2 * layers * kv_heads * head_dim * steps * compute.size
+
+
+def _activation_bytes(config: dict, context: int) -> int:
+    """A prefill chunk's largest live tensors: attention scores and MoE rows (float32)."""
+    tokens = min(PREFILL_STEP, context)
+    heads = config.get("num_attention_heads", 1)
+    k = config.get("num_experts_per_tok", 1)
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
+    hidden = config["hidden_size"]
+    per_token = (
+        heads * min(context, PREFILL_STEP) + k * (3 * inter + hidden) + 8 * hidden
+    )
+    return 4 * tokens * per_token + config.get("vocab_size", 0) * 4 * 2
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _process_bytes() -> int:
+    """Resident memory of this process now (interpreter, libraries)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024
+
+
+SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(size: int | str) -> int:
+    """`8G`, `512M`, `1.5G`, `1073741824` -> bytes (binary units)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        text = str(size).strip().upper().removesuffix("IB").removesuffix("B")
+        unit = text[-1:] if text[-1:] in SIZE_UNITS else ""
+        try:
+            n = int(float(text[: len(text) - len(unit)]) * SIZE_UNITS[unit])
+        except ValueError:
+            raise ValueError(
+                f"Cannot read size {size!r}; write a number with K, M, G or T, e.g. 8G."
+            ) from None
+    if n <= 0:
+        raise ValueError(f"Size {size!r} must be positive.")
+    return n
+
+
+def _fmt(n: int, up: bool = False) -> str:
+    mb = n / (1 << 20)
+    if mb >= 1024:
+        gb = n / (1 << 30)
+        return f"{(int(gb * 10) + (1 if up else 0)) / 10:.1f}G"
+    return f"{int(mb) + (1 if up else 0)}M"

@@ -1,0 +1,132 @@
+"""StreamingSwitchGLU: the hot path.
+
+It wraps the family's own (quantized) SwitchGLU, whose weight arrays are
+replaced by persistent slot arrays `[capacity, ...]`. A call maps expert ids
+to slots, loads the missing experts into slots, and runs mlx-lm's SwitchGLU
+on slot-local indices: same kernels, same activation and biases, so the
+result is bit-identical to the fully resident model.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from ..formats import ExpertLayer
+from .pool import RuntimeStats, SlotPool
+from .store import ExpertStore
+
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class StreamingSwitchGLU(nn.Module):
+    def __init__(
+        self,
+        inner: SwitchGLU,
+        layer: ExpertLayer,
+        store: ExpertStore,
+        capacity: int,
+        float_dtype: mx.Dtype,
+        stats: RuntimeStats,
+    ):
+        super().__init__()
+        # Underscored: not parameters, so load_weights and casts leave them alone.
+        self._inner = inner
+        self._layer = layer
+        self._store = store
+        self._stats = stats
+        self._float_dtype = float_dtype
+        self._pool = SlotPool(min(capacity, layer.num_experts))
+        self._targets = self._allocate_slots()
+
+    @property
+    def capacity(self) -> int:
+        return self._pool.capacity
+
+    def _allocate_slots(self) -> list[tuple[nn.Module, str]]:
+        """Replace every expert tensor of the inner module by a `[capacity, ...]` slot."""
+        targets = []
+        for seg in self._layer.segments:
+            projection, _, name = seg.name.rpartition(".")
+            module = self._inner[projection]
+            if name not in module or tuple(module[name].shape[1:]) != seg.shape:
+                raise ValueError(
+                    f"Layer {self._layer.layer}: segment {seg.name} {seg.shape} does "
+                    "not match the model's expert module; convert again."
+                )
+            dtype = (
+                self._float_dtype
+                if seg.dtype in FLOAT_DTYPES
+                else getattr(mx, seg.dtype)
+            )
+            module[name] = mx.zeros((self.capacity, *seg.shape), dtype)
+            targets.append((module, name))
+        params = {
+            f"{p}.{n}"
+            for p, m in self._inner.children().items()
+            if isinstance(m, nn.Module)
+            for n in m
+            if isinstance(m[n], mx.array)
+        }
+        if params != {s.name for s in self._layer.segments}:
+            raise ValueError(
+                f"Layer {self._layer.layer}: the blob holds {sorted(params)} tensors "
+                "the model does not expect; convert again."
+            )
+        mx.eval([m[n] for m, n in targets])
+        return targets
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        experts = np.array(indices)  # the one host sync of this layer
+        unique = np.unique(experts)
+        if unique.size <= self.capacity:
+            lut = self._load(unique)
+            return self._inner(x, mx.array(lut[experts]))
+        return self._grouped(x, experts, unique)
+
+    def _load(self, experts: np.ndarray) -> np.ndarray:
+        """Make `experts` resident; return the expert -> slot lookup table."""
+        slots, misses = self._pool.assign(experts)
+        self._stats.hits += len(experts) - len(misses)
+        self._stats.misses += len(misses)
+        for expert, slot in misses:
+            arrays = self._store.arrays(self._layer.layer, expert)
+            for (module, name), seg in zip(self._targets, self._layer.segments):
+                module[name][slot] = arrays[seg.name].astype(module[name].dtype)
+            self._stats.bytes_read += self._layer.record_nbytes
+        if misses:
+            layer = self._layer.layer
+            self._stats.per_layer_misses[layer] = self._stats.per_layer_misses.get(
+                layer, 0
+            ) + len(misses)
+            mx.eval([m[n] for m, n in self._targets])
+        lut = np.zeros(self._layer.num_experts, np.uint32)
+        for expert, slot in slots.items():
+            lut[expert] = slot
+        return lut
+
+    def _grouped(
+        self, x: mx.array, experts: np.ndarray, unique: np.ndarray
+    ) -> mx.array:
+        """More routed experts than slots (prefill): run them in slot-sized groups."""
+        self._stats.grouped_calls += 1
+        *lead, k = experts.shape
+        xs = x.reshape(-1, x.shape[-1])
+        flat = experts.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        picked, outs = [], []
+        for start in range(0, unique.size, self.capacity):
+            group = unique[start : start + self.capacity]
+            lut = self._load(group)
+            pairs = order[np.isin(flat[order], group)]
+            local = mx.array(lut[flat[pairs]])[:, None]
+            out = self._inner(xs[mx.array(pairs // k)], local)  # (n, 1, D)
+            mx.eval(out)  # the next group overwrites these slots
+            picked.append(pairs)
+            outs.append(out[:, 0])
+        inverse = np.empty(flat.size, np.int64)
+        inverse[np.concatenate(picked)] = np.arange(flat.size)
+        y = mx.concatenate(outs)[mx.array(inverse)]
+        return y.reshape(*lead, k, y.shape[-1])
