@@ -9,11 +9,11 @@ from importlib import import_module
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load", "runtime", "stats"]
+__all__ = ["__version__", "load", "runtime_of", "stats"]
 
 
 def __getattr__(name: str) -> Any:
     # The runtime is imported on first use, so the converter never loads it.
-    if name in ("load", "runtime", "stats"):
+    if name in ("load", "runtime_of", "stats"):
         return getattr(import_module(".runtime", __name__), name)
     raise AttributeError(f"module 'moestream' has no attribute {name!r}")

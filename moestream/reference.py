@@ -25,7 +25,7 @@ def resident_model(
     dtype: str | None = None,
     compute_dtype: str = "float32",
 ) -> nn.Module:
-    """mlx-lm model of `source`, cast to `dtype`, quantized by `recipe`, all resident."""
+    """mlx-lm model of `source`: cast to `dtype`, quantized by `recipe`, resident."""
     recipe = recipe or Recipe()
     model, _, config = mlx_load(str(source), lazy=True, return_config=True)
     cast_floating(model, getattr(mx, dtype or _source_dtype(config)))
@@ -35,12 +35,15 @@ def resident_model(
     return model
 
 
-def _quiet_quantize(model: nn.Module, config: dict, recipe: Recipe):  # noqa: ANN202
+def _quiet_quantize(model: nn.Module, config: dict, recipe: Recipe):
     import contextlib
     import io
 
     with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints its bpw
         return quantize_model(
-            model, config, recipe.dense_group_size, recipe.dense_bits,
+            model,
+            config,
+            recipe.dense_group_size,
+            recipe.dense_bits,
             quant_predicate=quant_predicate(model, recipe),
         )

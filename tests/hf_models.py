@@ -42,29 +42,40 @@ QWEN3_MOE = {
 def qwen3_moe_tensors(config: dict, seed: int = 0) -> dict[str, tuple[int, ...]]:
     """Hub tensor names and shapes of a Qwen3-MoE checkpoint (one tensor per expert)."""
     h, v = config["hidden_size"], config["vocab_size"]
-    hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config[
-        "num_key_value_heads"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h),
-                                          "model.norm.weight": (h,)}
+    hd, nh, nkv = (
+        config["head_dim"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+    }
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}"
-        shapes.update({
-            f"{p}.input_layernorm.weight": (h,),
-            f"{p}.post_attention_layernorm.weight": (h,),
-            f"{p}.self_attn.q_proj.weight": (nh * hd, h),
-            f"{p}.self_attn.k_proj.weight": (nkv * hd, h),
-            f"{p}.self_attn.v_proj.weight": (nkv * hd, h),
-            f"{p}.self_attn.o_proj.weight": (h, nh * hd),
-            f"{p}.self_attn.q_norm.weight": (hd,),
-            f"{p}.self_attn.k_norm.weight": (hd,),
-        })
+        shapes.update(
+            {
+                f"{p}.input_layernorm.weight": (h,),
+                f"{p}.post_attention_layernorm.weight": (h,),
+                f"{p}.self_attn.q_proj.weight": (nh * hd, h),
+                f"{p}.self_attn.k_proj.weight": (nkv * hd, h),
+                f"{p}.self_attn.v_proj.weight": (nkv * hd, h),
+                f"{p}.self_attn.o_proj.weight": (h, nh * hd),
+                f"{p}.self_attn.q_norm.weight": (hd,),
+                f"{p}.self_attn.k_norm.weight": (hd,),
+            }
+        )
         if layer in config["mlp_only_layers"]:
             i = config["intermediate_size"]
-            shapes.update({f"{p}.mlp.gate_proj.weight": (i, h),
-                           f"{p}.mlp.up_proj.weight": (i, h),
-                           f"{p}.mlp.down_proj.weight": (h, i)})
+            shapes.update(
+                {
+                    f"{p}.mlp.gate_proj.weight": (i, h),
+                    f"{p}.mlp.up_proj.weight": (i, h),
+                    f"{p}.mlp.down_proj.weight": (h, i),
+                }
+            )
             continue
         i, e = config["moe_intermediate_size"], config["num_experts"]
         shapes[f"{p}.mlp.gate.weight"] = (e, h)
@@ -75,8 +86,9 @@ def qwen3_moe_tensors(config: dict, seed: int = 0) -> dict[str, tuple[int, ...]]
     return shapes
 
 
-def random_weights(shapes: dict[str, tuple[int, ...]], dtype: mx.Dtype,
-                   seed: int = 0) -> dict[str, mx.array]:
+def random_weights(
+    shapes: dict[str, tuple[int, ...]], dtype: mx.Dtype, seed: int = 0
+) -> dict[str, mx.array]:
     keys = mx.random.split(mx.random.key(seed), len(shapes))
     out = {}
     for i, (name, shape) in enumerate(sorted(shapes.items())):
@@ -95,22 +107,33 @@ def write_tokenizer(path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([TEXT], trainer)
     tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
-                "assistant\n{% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "chat_template": template,
-    }))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+        "assistant\n{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": template,
+            }
+        )
+    )
 
 
-def write_hf_model(path: Path, config: dict, weights: dict[str, mx.array],
-                   shards: int = 2) -> Path:
+def write_hf_model(
+    path: Path, config: dict, weights: dict[str, mx.array], shards: int = 2
+) -> Path:
     """Write config, tokenizer and `shards` safetensors files plus an index."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -119,19 +142,24 @@ def write_hf_model(path: Path, config: dict, weights: dict[str, mx.array],
     per = -(-len(names) // shards)
     weight_map = {}
     for s in range(shards):
-        fname = (f"model-{s + 1:05d}-of-{shards:05d}.safetensors" if shards > 1
-                 else "model.safetensors")
+        fname = (
+            f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            if shards > 1
+            else "model.safetensors"
+        )
         part = {n: weights[n] for n in names[s * per : (s + 1) * per]}
         mx.save_safetensors(str(path / fname), part, {"format": "pt"})
         weight_map.update(dict.fromkeys(part, fname))
     if shards > 1:
         (path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+        )
     return path
 
 
-def tiny_qwen3_moe(path: Path, dtype: mx.Dtype = mx.bfloat16, seed: int = 0,
-                   **overrides: object) -> Path:
+def tiny_qwen3_moe(
+    path: Path, dtype: mx.Dtype = mx.bfloat16, seed: int = 0, **overrides: object
+) -> Path:
     config = {**QWEN3_MOE, **overrides}
     weights = random_weights(qwen3_moe_tensors(config), dtype, seed)
     return write_hf_model(path, config, weights)

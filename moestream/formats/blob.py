@@ -9,6 +9,7 @@ same experts always give the same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -104,7 +105,7 @@ def write_blob(path: Path, layer: ExpertLayer, records: Iterable[bytes]) -> list
 
 
 class BlobReader:
-    """Read-only, memory-mapped view of one layer's blob, checked against the manifest."""
+    """Read-only memory map of one layer's blob, checked against the manifest."""
 
     def __init__(self, path: Path, layer: ExpertLayer):
         self.path = Path(path)
@@ -165,10 +166,9 @@ class BlobReader:
 
     def close(self) -> None:
         if getattr(self, "_map", None) is not None:
-            try:
+            # A numpy view may still point into the map; the OS frees it later.
+            with contextlib.suppress(BufferError):
                 self._map.close()
-            except BufferError:
-                pass  # a numpy view still points into the map; the OS frees it
             self._map = None
         if self._fd >= 0:
             os.close(self._fd)

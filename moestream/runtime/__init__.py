@@ -1,6 +1,14 @@
 """run-moe: generate with a converted model, streaming experts from disk."""
 
-from .loader import BudgetError, MemoryPlan, Runtime, load, parse_size, runtime, stats
+from .loader import (
+    BudgetError,
+    MemoryPlan,
+    Runtime,
+    load,
+    parse_size,
+    runtime_of,
+    stats,
+)
 from .pool import RuntimeStats
 from .store import ExpertReadError
 
@@ -12,6 +20,6 @@ __all__ = [
     "RuntimeStats",
     "load",
     "parse_size",
-    "runtime",
+    "runtime_of",
     "stats",
 ]

@@ -134,10 +134,10 @@ def load(
 
 def stats(model: nn.Module) -> RuntimeStats:
     """The counters of a model returned by `load`."""
-    return runtime(model).stats
+    return runtime_of(model).stats
 
 
-def runtime(model: nn.Module) -> Runtime:
+def runtime_of(model: nn.Module) -> Runtime:
     rt = getattr(model, "moestream", None)
     if rt is None:
         raise ValueError("This model was not loaded by moestream.load.")
@@ -263,7 +263,7 @@ def _kv_bytes(config: dict, context: int, compute: mx.Dtype) -> int:
 
 
 def _activation_bytes(config: dict, context: int) -> int:
-    """A prefill chunk's largest live tensors: attention scores and MoE rows (float32)."""
+    """A prefill chunk's largest live tensors: attention scores, MoE rows."""
     tokens = min(PREFILL_STEP, context)
     heads = config.get("num_attention_heads", 1)
     k = config.get("num_experts_per_tok", 1)

@@ -40,7 +40,7 @@ class RuntimeStats:
 
 
 class SlotPool:
-    """Which expert sits in which of `capacity` slots; least recently used goes first."""
+    """Which expert sits in which of `capacity` slots; LRU goes first."""
 
     def __init__(self, capacity: int):
         if capacity < 1:

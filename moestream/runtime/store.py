@@ -12,7 +12,7 @@ from ..formats.manifest import inside
 
 
 class ExpertReadError(RuntimeError):
-    """An expert record that cannot be used: the run stops rather than compute with it."""
+    """An expert record that cannot be used: the run stops, never computes."""
 
 
 class ExpertStore:

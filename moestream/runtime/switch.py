@@ -46,7 +46,7 @@ class StreamingSwitchGLU(nn.Module):
         return self._pool.capacity
 
     def _allocate_slots(self) -> list[tuple[nn.Module, str]]:
-        """Replace every expert tensor of the inner module by a `[capacity, ...]` slot."""
+        """Replace each expert tensor of the inner module by `[capacity, ...]` slots."""
         targets = []
         for seg in self._layer.segments:
             projection, _, name = seg.name.rpartition(".")
@@ -88,12 +88,16 @@ class StreamingSwitchGLU(nn.Module):
 
     def _load(self, experts: np.ndarray) -> np.ndarray:
         """Make `experts` resident; return the expert -> slot lookup table."""
+        free = len(self._pool.free)
         slots, misses = self._pool.assign(experts)
         self._stats.hits += len(experts) - len(misses)
         self._stats.misses += len(misses)
+        self._stats.evictions += max(0, len(misses) - free)
         for expert, slot in misses:
             arrays = self._store.arrays(self._layer.layer, expert)
-            for (module, name), seg in zip(self._targets, self._layer.segments):
+            for (module, name), seg in zip(
+                self._targets, self._layer.segments, strict=True
+            ):
                 module[name][slot] = arrays[seg.name].astype(module[name].dtype)
             self._stats.bytes_read += self._layer.record_nbytes
         if misses:

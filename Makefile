@@ -1,0 +1,38 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_OUT := build/stdlib-moe
+LINTED := moestream tests examples scripts
+
+.PHONY: install test test-all demo lint format clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+
+format: $(STAMP)
+	$(BIN)/ruff format $(LINTED)
+	$(BIN)/ruff check --fix $(LINTED)
+
+test: lint
+	$(BIN)/pytest -q
+
+test-all: lint
+	$(BIN)/pytest -q -m ""
+
+demo: $(STAMP)
+	$(BIN)/convert-moe examples/stdlib-moe $(DEMO_OUT) --force
+	$(BIN)/run-moe $(DEMO_OUT) --prompt "def read_config(path):" \
+		--ignore-chat-template --max-tokens 120 --cache-experts 4 --stats
+
+clean:
+	rm -rf build $(VENV) .pytest_cache .ruff_cache

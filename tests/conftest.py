@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hf_models import tiny_qwen3_moe
+
+from moestream.converter import convert
+from moestream.formats import Recipe
+
+# Mixed bits on purpose: every projection width must survive the round trip.
+BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_qwen3_moe(tmp_path_factory.mktemp("hf") / "tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="session")
+def converted(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("out") / "model"
+    convert(str(hf_dir), out, bits=BITS, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def recipe() -> Recipe:
+    return Recipe.parse(BITS)
+
+
+@pytest.fixture(scope="session")
+def reference(hf_dir: Path, recipe: Recipe):
+    from moestream.reference import resident_model
+
+    return resident_model(hf_dir, recipe)

@@ -1,0 +1,113 @@
+"""The streaming model equals mlx-lm's fully resident model bit for bit."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+import moestream
+
+# top_k, in between, all experts of the tiny model (8, top-2)
+CACHE_SIZES = [2, 5, 8]
+PROMPT = mx.array([[(7 * i + 3) % 300 for i in range(48)]])
+
+
+def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
+    """Prefill `prompt`, then feed greedy tokens one at a time with a KV cache."""
+    cache = make_prompt_cache(model)
+    out = [model(prompt, cache=cache)]
+    token = mx.argmax(out[-1][:, -1], axis=-1, keepdims=True)
+    for _ in range(steps):
+        out.append(model(token, cache=cache))
+        token = mx.argmax(out[-1][:, -1], axis=-1, keepdims=True)
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("cache_experts", CACHE_SIZES)
+def test_prefill_and_decode_logits_bit_identical(converted, reference, cache_experts):
+    model, _ = moestream.load(converted, cache_experts=cache_experts)
+    ours = logits_stepwise(model, PROMPT, steps=12)
+    theirs = logits_stepwise(reference, PROMPT, steps=12)
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert a.dtype == b.dtype == mx.float32
+        assert mx.array_equal(a, b).item(), f"step {step} differs"
+    s = moestream.stats(model)
+    assert s.misses > 0
+    if cache_experts < 8:
+        assert s.evictions > 0  # the small caches really did evict and reload
+        assert s.grouped_calls > 0  # 48 prompt tokens route to more than 5 experts
+
+
+def test_plan_memory_splits_the_budget(converted):
+    from mlx_lm.utils import load_config
+
+    from moestream.formats import load_manifest
+    from moestream.runtime import BudgetError
+    from moestream.runtime.loader import plan_memory
+
+    m, config = load_manifest(converted), load_config(converted)
+    args = (m, config, 10 << 20, mx.float32, 100 << 20, 1024)
+    base = plan_memory(*args, None, 1)
+    fixed = base.total - base.pools
+    plan = plan_memory(*args, fixed + 3 * base.slot_bytes + base.slot_bytes // 2, None)
+    assert plan.capacity == 3 and plan.total <= plan.budget
+    assert plan_memory(*args, 1 << 40, None).capacity == 8  # never more than E
+    with pytest.raises(BudgetError, match=r"too small.*give --memory-budget"):
+        plan_memory(*args, fixed + base.slot_bytes, None)  # top-2 needs 2 slots
+
+
+def test_memory_budget_load_is_exact(converted, reference):
+    model, _ = moestream.load(converted, memory_budget="4G")
+    plan = moestream.runtime_of(model).plan
+    assert plan.capacity == 8 and plan.total <= plan.budget
+    assert mx.array_equal(model(PROMPT), reference(PROMPT)).item()
+
+
+def generated(
+    model, prompt: list[int], temp: float, seed: int, n: int = 24
+) -> list[int]:
+    mx.random.seed(seed)
+    steps = generate_step(
+        mx.array(prompt),
+        model,
+        max_tokens=n,
+        sampler=make_sampler(temp, top_p=0.9 if temp else 1.0),
+    )
+    return [t for t, _ in steps]
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.9])
+def test_generated_tokens_identical(converted, reference, temp):
+    prompt = [5, 17, 33, 2, 90, 41]
+    model, _ = moestream.load(converted, cache_experts=3)
+    ours = generated(model, prompt, temp, seed=11)
+    theirs = generated(reference, prompt, temp, seed=11)
+    assert ours == theirs
+    assert len(set(ours)) > 1
+
+
+def test_float32_conversion_is_exact(hf_dir, tmp_path):
+    from moestream.converter import convert
+    from moestream.formats import Recipe
+    from moestream.reference import resident_model
+
+    convert(str(hf_dir), tmp_path / "f32", dtype="float32", progress=False)
+    model, _ = moestream.load(tmp_path / "f32", cache_experts=2)
+    ref = resident_model(hf_dir, Recipe(), dtype="float32")
+    assert mx.array_equal(model(PROMPT), ref(PROMPT)).item()
+
+
+def test_stored_dtype_compute_is_exact(converted, hf_dir, recipe):
+    """Computing in the stored bfloat16 (the GPU default) is exact too."""
+    from moestream.reference import resident_model
+
+    model, _ = moestream.load(converted, cache_experts=3, dtype="bfloat16")
+    ref = resident_model(hf_dir, recipe, compute_dtype="bfloat16")
+    ours, theirs = logits_stepwise(model, PROMPT, 4), logits_stepwise(ref, PROMPT, 4)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == mx.bfloat16
+        assert mx.array_equal(a, b).item()

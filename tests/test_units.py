@@ -1,0 +1,77 @@
+"""Small parts: slot pool, sizes, recipes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moestream.formats import Recipe, RecipeError
+from moestream.runtime import parse_size
+from moestream.runtime.pool import SlotPool
+
+
+def test_pool_lru_never_evicts_requested() -> None:
+    pool = SlotPool(3)
+    slots, misses = pool.assign(np.array([1, 2, 3]))
+    assert len(misses) == 3 and sorted(slots.values()) == [0, 1, 2]
+    slots2, misses2 = pool.assign(np.array([1, 4]))  # 2 is least recently used
+    assert misses2 == [(4, slots[2])] and slots2[1] == slots[1]
+    _, misses3 = pool.assign(np.array([3, 4, 5]))  # 1 is now the oldest not wanted
+    assert misses3 == [(5, slots[1])]
+    assert set(pool.slot_of) == {3, 4, 5}
+    with pytest.raises(ValueError, match="do not fit"):
+        pool.assign(np.array([1, 2, 6, 7]))
+
+
+def test_pool_forget_frees_slot() -> None:
+    pool = SlotPool(2)
+    slots, _ = pool.assign(np.array([7, 8]))
+    pool.forget(7)
+    _, misses = pool.assign(np.array([8, 9]))
+    assert misses == [(9, slots[7])]
+
+
+@pytest.mark.parametrize(
+    "text, n",
+    [
+        ("8G", 8 << 30),
+        ("512M", 512 << 20),
+        ("1.5G", 3 << 29),
+        ("8GB", 8 << 30),
+        ("8GiB", 8 << 30),
+        ("4096", 4096),
+        (1024, 1024),
+        ("2k", 2048),
+    ],
+)
+def test_parse_size(text, n) -> None:
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["3Q", "", "G", "-1G", "0"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_recipe_parse_and_layers() -> None:
+    r = Recipe.parse("gate_proj=4,up_proj=4,down_proj=6,down_proj@0-1=8")
+    assert r.expert_spec("down_proj", 0).bits == 8
+    assert r.expert_spec("down_proj", 2).bits == 6
+    assert r.expert_spec("gate_proj", 1).bits == 4
+    assert Recipe.from_dict(r.to_dict()) == r
+
+
+@pytest.mark.parametrize(
+    "bits, message",
+    [
+        ("down_proj=7", "Impossible bit width 7"),
+        ("down_proj", "Cannot parse"),
+        ("down_proj@3-1=4", "Bad layer range"),
+    ],
+)
+def test_recipe_rejects(bits: str, message: str) -> None:
+    with pytest.raises(RecipeError, match=message):
+        Recipe.parse(bits)
+    with pytest.raises(RecipeError, match="group size"):
+        Recipe.parse(None, group_size=48)
