@@ -37,6 +37,7 @@ from ..formats import (
     write_blob,
 )
 from ..formats.manifest import PAGE_SIZE
+from ..units import human_bytes
 from .source import Source, SourceError, group_by_layer, open_source
 
 log = logging.getLogger(__name__)
@@ -63,15 +64,14 @@ class ConvertSummary:
     expert_bits_per_weight: float
 
     def lines(self) -> list[str]:
-        lo, hi = self.record_bytes
-        rec = f"{lo / 1e6:.3f} MB" if lo == hi else f"{lo / 1e6:.3f}-{hi / 1e6:.3f} MB"
+        lo, hi = (human_bytes(n) for n in self.record_bytes)
         return [
             f"Wrote {self.out}",
             f"  MoE layers:      {self.moe_layers} x {self.experts} experts",
-            f"  expert record:   {rec}",
-            f"  experts total:   {self.expert_bytes / 1e9:.3f} GB "
+            f"  expert record:   {lo if lo == hi else f'{lo}-{hi}'}",
+            f"  experts total:   {human_bytes(self.expert_bytes)} "
             f"({self.expert_bits_per_weight:.2f} bits per weight)",
-            f"  dense total:     {self.dense_bytes / 1e9:.3f} GB",
+            f"  dense total:     {human_bytes(self.dense_bytes)}",
         ]
 
 

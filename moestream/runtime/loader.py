@@ -18,6 +18,7 @@ from mlx_lm.utils import infer_quant_config, load_config, load_tokenizer
 from ..families import build_model, cast_floating, replace_module, switch_modules
 from ..formats import FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
+from ..units import human_bytes, parse_size
 from .pool import RuntimeStats
 from .store import ExpertStore, check_layers
 from .switch import StreamingSwitchGLU
@@ -231,12 +232,12 @@ def plan_memory(
         free = budget - (plan.total - plan.pools)
         capacity = min(num_experts, max(free, 0) // max(slot, 1))
         if capacity < top_k:
-            need = plan.total - plan.pools + top_k * slot
+            fixed = plan.total - plan.pools
             raise BudgetError(
-                f"Memory budget {_fmt(budget)} is too small: process, dense weights, "
-                f"KV cache and activations need {_fmt(plan.total - plan.pools)}, and "
-                f"{top_k} expert slots per layer {_fmt(top_k * slot)}; give "
-                f"--memory-budget {_fmt(need, up=True)} or more."
+                f"Memory budget {human_bytes(budget)} is too small: process, dense "
+                f"weights, KV cache and activations need {human_bytes(fixed)}, and "
+                f"{top_k} expert slots per layer {human_bytes(top_k * slot)}; give "
+                f"--memory-budget {human_bytes(fixed + top_k * slot, up=True)} or more."
             )
     return MemoryPlan(budget, process, dense, kv, act, slot, capacity, num_experts)
 
@@ -287,32 +288,3 @@ def _process_bytes() -> int:
     except OSError:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss if sys.platform == "darwin" else rss * 1024
-
-
-SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(size: int | str) -> int:
-    """`8G`, `512M`, `1.5G`, `1073741824` -> bytes (binary units)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    else:
-        text = str(size).strip().upper().removesuffix("IB").removesuffix("B")
-        unit = text[-1:] if text[-1:] in SIZE_UNITS else ""
-        try:
-            n = int(float(text[: len(text) - len(unit)]) * SIZE_UNITS[unit])
-        except ValueError:
-            raise ValueError(
-                f"Cannot read size {size!r}; write a number with K, M, G or T, e.g. 8G."
-            ) from None
-    if n <= 0:
-        raise ValueError(f"Size {size!r} must be positive.")
-    return n
-
-
-def _fmt(n: int, up: bool = False) -> str:
-    mb = n / (1 << 20)
-    if mb >= 1024:
-        gb = n / (1 << 30)
-        return f"{(int(gb * 10) + (1 if up else 0)) / 10:.1f}G"
-    return f"{int(mb) + (1 if up else 0)}M"

@@ -1,4 +1,9 @@
-"""Tiny random models written in real Hugging Face hub layout, for tests."""
+"""Random MoE checkpoints in real Hugging Face hub layout, for tests and benchmarks.
+
+Tensor names, shapes and config keys are those of the hub's Qwen3-MoE
+checkpoints (one 2-D tensor per expert), so the converter sees what a user's
+download would give it. Large ones are written one layer per shard.
+"""
 
 from __future__ import annotations
 
@@ -163,3 +168,28 @@ def tiny_qwen3_moe(
     config = {**QWEN3_MOE, **overrides}
     weights = random_weights(qwen3_moe_tensors(config), dtype, seed)
     return write_hf_model(path, config, weights)
+
+
+def large_qwen3_moe(path: Path, seed: int = 0, **overrides: object) -> Path:
+    """A bigger checkpoint written one decoder layer per shard (bounded memory)."""
+    config = {**QWEN3_MOE, "mlp_only_layers": [], **overrides}
+    shapes = qwen3_moe_tensors(config)
+    groups: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        key = parts[2] if parts[1] == "layers" else "rest"
+        groups.setdefault(key, {})[name] = shape
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path)
+    weight_map = {}
+    for i, (_key, group) in enumerate(sorted(groups.items())):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        part = random_weights(group, mx.bfloat16, seed + i)
+        mx.save_safetensors(str(path / fname), part, {"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+        del part
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+    )
+    return path

@@ -1,0 +1,41 @@
+"""Write a random Qwen3-MoE checkpoint in Hugging Face layout (for converter runs).
+
+    python scripts/synthetic_hf.py OUT --layers 24 --experts 64 --hidden 1024 \\
+        --moe-intermediate 512
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moestream.synthetic import large_qwen3_moe
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("out", type=Path)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--moe-intermediate", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=4096)
+    a = p.parse_args()
+    large_qwen3_moe(
+        a.out,
+        num_hidden_layers=a.layers,
+        num_experts=a.experts,
+        num_experts_per_tok=a.top_k,
+        hidden_size=a.hidden,
+        moe_intermediate_size=a.moe_intermediate,
+        intermediate_size=4 * a.hidden,
+        num_attention_heads=a.hidden // 64,
+        num_key_value_heads=max(a.hidden // 256, 1),
+        head_dim=64,
+        vocab_size=a.vocab,
+    )
+
+
+if __name__ == "__main__":
+    main()
