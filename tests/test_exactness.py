@@ -111,3 +111,36 @@ def test_stored_dtype_compute_is_exact(converted, hf_dir, recipe):
     for a, b in zip(ours, theirs, strict=True):
         assert a.dtype == mx.bfloat16
         assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"tie_word_embeddings": True, "mlp_only_layers": []},
+        {"torch_dtype": "float16", "num_experts": 6, "num_experts_per_tok": 3},
+    ],
+)
+def test_variants_exact(tmp_path, overrides):  # noqa: ANN001
+    """Tied embeddings, no dense layers, float16 sources, other expert counts."""
+    from moestream.converter import convert
+    from moestream.formats import Recipe
+    from moestream.reference import resident_model
+    from moestream.synthetic import tiny_qwen3_moe
+
+    dtype = mx.float16 if overrides.get("torch_dtype") == "float16" else mx.bfloat16
+    src = tiny_qwen3_moe(tmp_path / "hf", dtype=dtype, seed=5, **overrides)
+    convert(str(src), tmp_path / "out", bits="down_proj=8", progress=False)
+    ref = resident_model(src, Recipe.parse("down_proj=8"))
+    model, _ = moestream.load(tmp_path / "out", cache_experts=3)
+    for a, b in zip(
+        logits_stepwise(model, PROMPT, 3), logits_stepwise(ref, PROMPT, 3), strict=True
+    ):
+        assert mx.array_equal(a, b).item()
+
+
+def test_mlx_lm_generate_accepts_the_model(converted, reference):  # noqa: ANN001
+    from mlx_lm import generate
+
+    model, tokenizer = moestream.load(converted, cache_experts=2)
+    ours = generate(model, tokenizer, "def add(a, b):", max_tokens=10)
+    assert ours == generate(reference, tokenizer, "def add(a, b):", max_tokens=10)

@@ -229,3 +229,52 @@ def test_missing_tokenizer(hf_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(SourceError, match="No tokenizer"):
         convert(str(src), tmp_path / "out", progress=False)
     assert list(tmp_path.iterdir()) == [src]  # nothing half-written
+
+
+def test_hub_source_downloads_only_needed_files(
+    hf_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # noqa: ANN001
+    import huggingface_hub
+
+    calls = {}
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):  # noqa: ANN001, ANN202
+        calls.update(repo_id=repo_id, revision=revision, patterns=allow_patterns)
+        return str(hf_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    convert("org/tiny-moe", tmp_path / "out", revision="abc123", progress=False)
+    assert calls["repo_id"] == "org/tiny-moe" and calls["revision"] == "abc123"
+    assert "*.safetensors" in calls["patterns"] and "*.bin" not in calls["patterns"]
+    source = load_manifest(tmp_path / "out").source
+    assert source == {"repo_id": "org/tiny-moe", "revision": "abc123"}
+
+
+def test_pickle_only_source_refused(hf_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_dir / f, src / f)
+    (src / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(SourceError, match="only pickle weights.*never loaded"):
+        convert(str(src), tmp_path / "out", progress=False)
+
+
+def test_missing_tensor_and_bad_shape_refused(hf_dir: Path, tmp_path: Path) -> None:
+    from moestream.synthetic import QWEN3_MOE, write_hf_model
+
+    weights = dict(mx.load(str(hf_dir / "model-00001-of-00002.safetensors")))
+    weights.update(mx.load(str(hf_dir / "model-00002-of-00002.safetensors")))
+    broken = dict(weights)
+    del broken["model.layers.2.mlp.experts.5.up_proj.weight"]
+    write_hf_model(tmp_path / "a", QWEN3_MOE, broken)
+    with pytest.raises(SourceError, match=r"missing tensor .*experts\.5\.up_proj"):
+        convert(str(tmp_path / "a"), tmp_path / "out-a", progress=False)
+    reshaped = dict(weights)
+    reshaped["model.layers.0.self_attn.o_proj.weight"] = mx.zeros(
+        (128, 64), mx.bfloat16
+    )
+    write_hf_model(tmp_path / "b", QWEN3_MOE, reshaped)
+    with pytest.raises(SourceError, match=r"shape \(128, 64\).*config"):
+        convert(str(tmp_path / "b"), tmp_path / "out-b", progress=False)
+    assert not (tmp_path / "out-a").exists() and not (tmp_path / "out-b").exists()

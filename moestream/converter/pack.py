@@ -212,8 +212,14 @@ def _check_coverage(
     expected = dict(tree_flatten(model.parameters()))
     seen = set()
     for names in units:
-        lazy = src.peek(names)
-        for name, w in family.sanitize(model, lazy).items():
+        try:
+            sanitized = family.sanitize(model, src.peek(names))
+        except KeyError as e:  # sanitize stacks per-expert tensors by name
+            raise SourceError(
+                f"Checkpoint is missing tensor {e.args[0]}; download the complete "
+                "checkpoint."
+            ) from None
+        for name, w in sanitized.items():
             if name not in expected:
                 raise SourceError(
                     f"Unexpected tensor {name} for {src.config['model_type']}; "
