@@ -16,7 +16,7 @@ from mlx_lm.utils import load_tokenizer
 
 from ..errors import user_errors
 from ..formats import load_manifest
-from .loader import DTYPES, load, stats
+from .loader import DTYPES, load, runtime_of, stats
 
 
 @dataclass
@@ -154,6 +154,8 @@ def main(
             verify=not no_verify,
             context=len(ids) + max_tokens,
         )
+        if show_stats:
+            click.echo(runtime_of(model).plan.describe(), err=True)
         on_text = None if as_json else lambda t: print(t, end="", flush=True)
         gen = generate(model, tok, ids, max_tokens, temp, top_p, on_text)
         return report(model, gen)
