@@ -120,7 +120,7 @@ def test_stored_dtype_compute_is_exact(converted, hf_dir, recipe):
         {"torch_dtype": "float16", "num_experts": 6, "num_experts_per_tok": 3},
     ],
 )
-def test_variants_exact(tmp_path, overrides):  # noqa: ANN001
+def test_variants_exact(tmp_path, overrides):
     """Tied embeddings, no dense layers, float16 sources, other expert counts."""
     from moestream.converter import convert
     from moestream.formats import Recipe
@@ -138,7 +138,7 @@ def test_variants_exact(tmp_path, overrides):  # noqa: ANN001
         assert mx.array_equal(a, b).item()
 
 
-def test_mlx_lm_generate_accepts_the_model(converted, reference):  # noqa: ANN001
+def test_mlx_lm_generate_accepts_the_model(converted, reference):
     from mlx_lm import generate
 
     model, tokenizer = moestream.load(converted, cache_experts=2)

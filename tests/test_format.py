@@ -233,12 +233,12 @@ def test_missing_tokenizer(hf_dir: Path, tmp_path: Path) -> None:
 
 def test_hub_source_downloads_only_needed_files(
     hf_dir: Path, tmp_path: Path, monkeypatch
-) -> None:  # noqa: ANN001
+) -> None:
     import huggingface_hub
 
     calls = {}
 
-    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):  # noqa: ANN001, ANN202
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
         calls.update(repo_id=repo_id, revision=revision, patterns=allow_patterns)
         return str(hf_dir)
 
@@ -256,7 +256,7 @@ def test_pickle_only_source_refused(hf_dir: Path, tmp_path: Path) -> None:
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(hf_dir / f, src / f)
     (src / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
-    with pytest.raises(SourceError, match="only pickle weights.*never loaded"):
+    with pytest.raises(SourceError, match=r"only pickle weights.*never loaded"):
         convert(str(src), tmp_path / "out", progress=False)
 
 

@@ -9,8 +9,6 @@ same experts always give the same bytes.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 import struct
 import zlib
@@ -105,7 +103,12 @@ def write_blob(path: Path, layer: ExpertLayer, records: Iterable[bytes]) -> list
 
 
 class BlobReader:
-    """Read-only memory map of one layer's blob, checked against the manifest."""
+    """One layer's blob, opened read-only and checked against the manifest.
+
+    Records are read with pread/preadv into caller-owned memory: one aligned
+    read per expert, no page-cache pages mapped into the process (an mmap'd
+    read would count against the memory budget as resident pages).
+    """
 
     def __init__(self, path: Path, layer: ExpertLayer):
         self.path = Path(path)
@@ -118,7 +121,6 @@ class BlobReader:
         self._fd = os.open(self.path, os.O_RDONLY)
         try:
             self._check_size_and_header()
-            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
         except BaseException:
             os.close(self._fd)
             raise
@@ -143,19 +145,31 @@ class BlobReader:
                 "expert count or stride differ); convert again."
             )
 
-    def record(self, expert: int) -> memoryview:
-        """Zero-copy view of expert `expert`'s record bytes."""
+    def offset(self, expert: int) -> int:
         if not 0 <= expert < self.layer.num_experts:
             raise IndexError(
                 f"Expert {expert} out of range in layer {self.layer.layer}"
             )
-        start = self.layer.data_offset + expert * self.layer.stride
-        return memoryview(self._map)[start : start + self.layer.record_nbytes]
+        return self.layer.data_offset + expert * self.layer.stride
+
+    def readv(self, expert: int, buffers: list[memoryview]) -> None:
+        """Read the record of `expert` into `buffers`, which must cover it exactly."""
+        n = os.preadv(self._fd, buffers, self.offset(expert))
+        if n != self.layer.record_nbytes:
+            raise OSError(
+                f"short read of expert {expert} ({n} of {self.layer.record_nbytes} "
+                f"bytes): {self.path} changed on disk"
+            )
+
+    def record(self, expert: int) -> bytes:
+        buf = bytearray(self.layer.record_nbytes)
+        self.readv(expert, [memoryview(buf)])
+        return bytes(buf)
 
     def verify(self, expert: int) -> bool:
         return checksum(self.record(expert)) == self.layer.checksums[expert]
 
-    def segment(self, record: memoryview, seg: Segment) -> np.ndarray:
+    def segment(self, record: bytes | memoryview, seg: Segment) -> np.ndarray:
         """View of one segment of a record as a numpy array of its storage dtype."""
         return np.frombuffer(
             record,
@@ -165,11 +179,6 @@ class BlobReader:
         ).reshape(seg.shape)
 
     def close(self) -> None:
-        if getattr(self, "_map", None) is not None:
-            # A numpy view may still point into the map; the OS frees it later.
-            with contextlib.suppress(BufferError):
-                self._map.close()
-            self._map = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

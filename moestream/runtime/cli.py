@@ -6,17 +6,17 @@ import json
 import resource
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import click
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
-from mlx_lm.utils import load_tokenizer
 
 from ..errors import user_errors
-from ..formats import load_manifest
 from .loader import DTYPES, load, runtime_of, stats
+
+# Room for a chat template around the prompt, in tokens.
+CHAT_TEMPLATE_TOKENS = 256
 
 
 @dataclass
@@ -29,10 +29,19 @@ class Generation:
     prompt_bytes_read: int = 0
 
 
-def encode_prompt(tokenizer, prompt: str, ignore_chat_template: bool) -> list[int]:
-    """Exactly as `mlx_lm.generate` encodes its --prompt."""
+def read_prompt(prompt: str) -> str:
+    """--prompt as `mlx_lm.generate` reads it: escapes expanded, '-' is stdin."""
     prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
-    prompt = sys.stdin.read() if prompt == "-" else prompt
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
+def max_prompt_tokens(text: str) -> int:
+    """An upper bound known before tokenizing: a token covers at least one byte."""
+    return len(text.encode()) + CHAT_TEMPLATE_TOKENS
+
+
+def encode_prompt(tokenizer, prompt: str, ignore_chat_template: bool) -> list[int]:
+    """Exactly as `mlx_lm.generate` encodes its --prompt (already read)."""
     use_chat_template = not ignore_chat_template and tokenizer.has_chat_template
     if use_chat_template:
         prompt = tokenizer.apply_chat_template(
@@ -142,18 +151,16 @@ def main(
     def run() -> dict:
         if seed is not None:
             mx.random.seed(seed)
-        load_manifest(model_dir)  # a clear error before the tokenizer is read
-        ids = encode_prompt(
-            load_tokenizer(Path(model_dir)), prompt, ignore_chat_template
-        )
+        text = read_prompt(prompt)
         model, tok = load(
             model_dir,
             memory_budget=memory_budget,
             cache_experts=cache_experts,
             dtype=dtype,
             verify=not no_verify,
-            context=len(ids) + max_tokens,
+            context=max_prompt_tokens(text) + max_tokens,
         )
+        ids = encode_prompt(tok, text, ignore_chat_template)
         if show_stats:
             click.echo(runtime_of(model).plan.describe(), err=True)
         on_text = None if as_json else lambda t: print(t, end="", flush=True)

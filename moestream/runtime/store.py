@@ -1,13 +1,15 @@
-"""Reads expert records from the memory-mapped blobs, verifying each once."""
+"""Reads expert records from the blobs into slot memory, verifying each once."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..formats import BlobReader, ExpertLayer, FormatError, Manifest, checksum
+from ..formats import BlobReader, ExpertLayer, FormatError, Manifest, Segment
+from ..formats.blob import NUMPY_DTYPES
 from ..formats.manifest import inside
 
 
@@ -16,7 +18,7 @@ class ExpertReadError(RuntimeError):
 
 
 class ExpertStore:
-    """All blobs of a converted model, memory-mapped read-only."""
+    """All blobs of a converted model, opened read-only; records verified once."""
 
     def __init__(self, directory: Path, manifest: Manifest, verify: bool = True):
         self.verify = verify
@@ -31,39 +33,93 @@ class ExpertStore:
             self.close()
             raise
 
-    def read(self, layer: int, expert: int) -> memoryview:
-        """The record of `expert` in `layer`; its checksum is checked on first read."""
+    def readv(self, layer: int, expert: int, buffers: list[memoryview]) -> None:
+        """Read one record into `buffers` (covering it exactly); verify once."""
         reader = self.readers[layer]
         try:
-            record = reader.record(expert)
-            if self.verify and not self._verified[layer][expert]:
-                if checksum(record) != reader.layer.checksums[expert]:
-                    raise ExpertReadError(
-                        f"Expert {expert} of layer {layer} in {reader.path} fails its "
-                        "checksum; the file is corrupted: run `moestream verify` and "
-                        "convert again."
-                    )
-                self._verified[layer][expert] = True
+            reader.readv(expert, buffers)
         except (OSError, ValueError) as e:
             raise ExpertReadError(
                 f"Cannot read expert {expert} of layer {layer} from {reader.path}: {e}"
             ) from e
-        return record
-
-    def arrays(self, layer: int, expert: int) -> dict[str, mx.array]:
-        """The expert's tensors as MLX arrays of their stored dtypes (copied)."""
-        reader = self.readers[layer]
-        record = self.read(layer, expert)
-        out = {}
-        for seg in reader.layer.segments:
-            a = mx.array(reader.segment(record, seg))
-            out[seg.name] = a.view(mx.bfloat16) if seg.dtype == "bfloat16" else a
-        return out
+        if self.verify and not self._verified[layer][expert]:
+            crc = 0
+            for b in buffers:
+                crc = zlib.crc32(b, crc)
+            if f"{crc:08x}" != reader.layer.checksums[expert]:
+                raise ExpertReadError(
+                    f"Expert {expert} of layer {layer} in {reader.path} fails its "
+                    "checksum; the file is corrupted: convert again."
+                )
+            self._verified[layer][expert] = True
 
     def close(self) -> None:
         for r in self.readers.values():
             r.close()
         self.readers.clear()
+
+
+RAW_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def writable_view(a: mx.array) -> np.ndarray:
+    """A numpy view of an evaluated MLX array's memory (any dtype, as raw words)."""
+    return np.frombuffer(memoryview(a), RAW_DTYPES[a.dtype.size]).reshape(a.shape)
+
+
+class SlotFiller:
+    """Reads expert records straight into slot arrays: one preadv per expert.
+
+    Segments stored in the slot dtype land in the slot's memory directly;
+    float segments stored narrower than the compute dtype are read into a
+    staging buffer and widened exactly (bf16/fp16 -> fp32 are lossless).
+    """
+
+    def __init__(self, store: ExpertStore, layer: ExpertLayer, slots: list[mx.array]):
+        self.store, self.layer = store, layer
+        self.staging = memoryview(bytearray(layer.record_nbytes))
+        self.views = [writable_view(a) for a in slots]
+        self.dtypes = [a.dtype for a in slots]
+        self.order = sorted(range(len(slots)), key=lambda i: layer.segments[i].offset)
+
+    def fill(self, expert: int, slot: int) -> None:
+        buffers, widen, pos = [], [], 0
+        for i in self.order:
+            seg = self.layer.segments[i]
+            if seg.offset > pos:
+                buffers.append(self.staging[pos : seg.offset])
+            if seg.dtype == DTYPE_NAMES[self.dtypes[i]]:
+                buffers.append(memoryview(self.views[i][slot]).cast("B"))
+            else:
+                buffers.append(self.staging[seg.offset : seg.offset + seg.nbytes])
+                widen.append(i)
+            pos = seg.offset + seg.nbytes
+        self.store.readv(self.layer.layer, expert, buffers)
+        for i in widen:
+            self._widen(self.layer.segments[i], self.views[i][slot], self.dtypes[i])
+
+    def _widen(self, seg: Segment, dst: np.ndarray, dtype: mx.Dtype) -> None:
+        raw = np.frombuffer(
+            self.staging,
+            NUMPY_DTYPES[seg.dtype],
+            offset=seg.offset,
+            count=seg.nbytes // NUMPY_DTYPES[seg.dtype]().itemsize,
+        )
+        raw = raw.reshape(seg.shape)
+        if seg.dtype == "bfloat16" and dtype == mx.float32:
+            np.left_shift(raw.astype(np.uint32), 16, out=dst)
+        elif seg.dtype == "float16" and dtype == mx.float32:
+            dst[...] = raw.astype(np.float32).view(np.uint32)
+        else:  # rare (e.g. fp32 stored, bf16 compute): round exactly as MLX does
+            a = mx.array(raw)
+            if seg.dtype == "bfloat16":
+                a = a.view(mx.bfloat16)
+            a = mx.contiguous(a.astype(dtype))
+            mx.eval(a)
+            dst[...] = writable_view(a)
+
+
+DTYPE_NAMES = {getattr(mx, name): name for name in NUMPY_DTYPES}
 
 
 def check_layers(

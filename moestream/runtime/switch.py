@@ -2,9 +2,12 @@
 
 It wraps the family's own (quantized) SwitchGLU, whose weight arrays are
 replaced by persistent slot arrays `[capacity, ...]`. A call maps expert ids
-to slots, loads the missing experts into slots, and runs mlx-lm's SwitchGLU
-on slot-local indices: same kernels, same activation and biases, so the
-result is bit-identical to the fully resident model.
+to slots, reads the missing experts straight into slot memory, and runs
+mlx-lm's SwitchGLU on slot-local indices: same kernels, same activation and
+biases, so the result is bit-identical to the fully resident model.
+
+Slots are written in place, so a call evaluates its output before returning:
+no pending computation ever reads a slot that a later call overwrites.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..formats import ExpertLayer
 from .pool import RuntimeStats, SlotPool
-from .store import ExpertStore
+from .store import ExpertStore, SlotFiller
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -40,6 +43,7 @@ class StreamingSwitchGLU(nn.Module):
         self._float_dtype = float_dtype
         self._pool = SlotPool(min(capacity, layer.num_experts))
         self._targets = self._allocate_slots()
+        self._filler = SlotFiller(store, layer, [m[n] for m, n in self._targets])
 
     @property
     def capacity(self) -> int:
@@ -83,7 +87,9 @@ class StreamingSwitchGLU(nn.Module):
         unique = np.unique(experts)
         if unique.size <= self.capacity:
             lut = self._load(unique)
-            return self._inner(x, mx.array(lut[experts]))
+            y = self._inner(x, mx.array(lut[experts]))
+            mx.eval(y)
+            return y
         return self._grouped(x, experts, unique)
 
     def _load(self, experts: np.ndarray) -> np.ndarray:
@@ -93,19 +99,19 @@ class StreamingSwitchGLU(nn.Module):
         self._stats.hits += len(experts) - len(misses)
         self._stats.misses += len(misses)
         self._stats.evictions += max(0, len(misses) - free)
-        for expert, slot in misses:
-            arrays = self._store.arrays(self._layer.layer, expert)
-            for (module, name), seg in zip(
-                self._targets, self._layer.segments, strict=True
-            ):
-                module[name][slot] = arrays[seg.name].astype(module[name].dtype)
+        for n, (expert, slot) in enumerate(misses):
+            try:
+                self._filler.fill(expert, slot)
+            except BaseException:
+                for e, _ in misses[n:]:  # their slots hold partial data now
+                    self._pool.forget(e)
+                raise
             self._stats.bytes_read += self._layer.record_nbytes
         if misses:
             layer = self._layer.layer
             self._stats.per_layer_misses[layer] = self._stats.per_layer_misses.get(
                 layer, 0
             ) + len(misses)
-            mx.eval([m[n] for m, n in self._targets])
         lut = np.zeros(self._layer.num_experts, np.uint32)
         for expert, slot in slots.items():
             lut[expert] = slot
