@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchGLU
-from mlx_lm.utils import _get_classes
+from mlx_lm.utils import _get_classes, infer_quant_config
 
 
 class UnsupportedModelError(ValueError):
@@ -75,6 +75,28 @@ def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
         return v
 
     model.update(tree_map_with_path(cast, model.parameters()))
+
+
+def quantize_as_configured(
+    model: nn.Module, config: dict, weights: dict[str, mx.array]
+) -> None:
+    """Quantize `model`'s modules as mlx-lm's load_model does for these weights."""
+    quantization = config.get("quantization", {})
+
+    def predicate(p: str, m: nn.Module) -> bool | dict:
+        if p in quantization:
+            return quantization[p]
+        if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
+            return False
+        return infer_quant_config(p, m, weights)
+
+    nn.quantize(
+        model,
+        group_size=quantization.get("group_size", 64),
+        bits=quantization.get("bits", 4),
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
 
 
 def switch_modules(model: nn.Module) -> dict[str, SwitchGLU]:

@@ -144,3 +144,10 @@ def test_mlx_lm_generate_accepts_the_model(converted, reference):
     model, tokenizer = moestream.load(converted, cache_experts=2)
     ours = generate(model, tokenizer, "def add(a, b):", max_tokens=10)
     assert ours == generate(reference, tokenizer, "def add(a, b):", max_tokens=10)
+
+
+def test_resident_from_converted_equals_source_reference(converted, reference):
+    from moestream.reference import resident_from_converted
+
+    resident = resident_from_converted(converted)
+    assert mx.array_equal(resident(PROMPT), reference(PROMPT)).item()

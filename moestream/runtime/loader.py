@@ -13,9 +13,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import infer_quant_config, load_config, load_tokenizer
+from mlx_lm.utils import load_config, load_tokenizer
 
-from ..families import build_model, cast_floating, replace_module, switch_modules
+from ..families import (
+    build_model,
+    cast_floating,
+    quantize_as_configured,
+    replace_module,
+    switch_modules,
+)
 from ..formats import FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..units import human_bytes, parse_size
@@ -160,22 +166,7 @@ def _load_dense(
         if not f.is_file():
             raise FormatError(f"Dense weights {f} are missing; convert again.")
         weights.update(mx.load(str(f)))
-    quantization = config.get("quantization", {})
-
-    def predicate(p: str, m: nn.Module) -> bool | dict:
-        if p in quantization:
-            return quantization[p]
-        if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
-            return False
-        return infer_quant_config(p, m, weights)
-
-    nn.quantize(
-        model,
-        group_size=quantization.get("group_size", 64),
-        bits=quantization.get("bits", 4),
-        mode=quantization.get("mode", "affine"),
-        class_predicate=predicate,
-    )
+    quantize_as_configured(model, config, weights)
     switches = switch_modules(model)
     expert_keys = {
         k
