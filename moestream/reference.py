@@ -9,6 +9,8 @@ directory instead: the same weights, fully in memory (the speed reference).
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,10 +66,9 @@ def resident_from_converted(directory: str | Path, dtype: str = "auto") -> nn.Mo
     return model.eval()
 
 
-def _quiet_quantize(model: nn.Module, config: dict, recipe: Recipe):
-    import contextlib
-    import io
-
+def _quiet_quantize(
+    model: nn.Module, config: dict, recipe: Recipe
+) -> tuple[nn.Module, dict]:
     with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints its bpw
         return quantize_model(
             model,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def _tensor_files(path: Path) -> tuple[dict[str, Path], dict]:
 
 
 def group_by_layer(
-    names: list[str], layer_of
+    names: list[str], layer_of: Callable[[str], int | None]
 ) -> tuple[dict[int, list[str]], list[str]]:
     """Split tensor names into per-layer lists and the rest (embeddings, head)."""
     layers: dict[int, list[str]] = defaultdict(list)

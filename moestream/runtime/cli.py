@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import click
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import user_errors
 from .loader import DTYPES, load, runtime_of, stats
@@ -40,7 +43,9 @@ def max_prompt_tokens(text: str) -> int:
     return len(text.encode()) + CHAT_TEMPLATE_TOKENS
 
 
-def encode_prompt(tokenizer, prompt: str, ignore_chat_template: bool) -> list[int]:
+def encode_prompt(
+    tokenizer: TokenizerWrapper, prompt: str, ignore_chat_template: bool
+) -> list[int]:
     """Exactly as `mlx_lm.generate` encodes its --prompt (already read)."""
     use_chat_template = not ignore_chat_template and tokenizer.has_chat_template
     if use_chat_template:
@@ -53,13 +58,13 @@ def encode_prompt(tokenizer, prompt: str, ignore_chat_template: bool) -> list[in
 
 
 def generate(
-    model,
-    tokenizer,
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
     prompt: list[int],
     max_tokens: int,
     temp: float,
     top_p: float,
-    on_text=None,
+    on_text: Callable[[str], None] | None = None,
 ) -> Generation:
     """Run mlx-lm's generation loop; collect text, token ids and timings."""
     out = Generation(prompt_tokens=len(prompt))
@@ -184,7 +189,7 @@ def main(
             )
 
 
-def report(model, gen: Generation) -> dict:
+def report(model: nn.Module, gen: Generation) -> dict:
     s = stats(model)
     n = len(gen.tokens)
     return {

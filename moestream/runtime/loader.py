@@ -22,7 +22,7 @@ from ..families import (
     replace_module,
     switch_modules,
 )
-from ..formats import FormatError, Manifest, load_manifest
+from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..units import human_bytes, parse_size
 from .pool import RuntimeStats
@@ -233,7 +233,7 @@ def plan_memory(
     return MemoryPlan(budget, process, dense, kv, act, slot, capacity, num_experts)
 
 
-def _slot_nbytes(layer, compute: mx.Dtype) -> int:
+def _slot_nbytes(layer: ExpertLayer, compute: mx.Dtype) -> int:
     float_size = compute.size
     return sum(
         s.nbytes // 2 * float_size
