@@ -163,11 +163,15 @@ def write_hf_model(
 
 
 def tiny_qwen3_moe(
-    path: Path, dtype: mx.Dtype = mx.bfloat16, seed: int = 0, **overrides: object
+    path: Path,
+    dtype: mx.Dtype = mx.bfloat16,
+    seed: int = 0,
+    shards: int = 2,
+    **overrides: object,
 ) -> Path:
     config = {**QWEN3_MOE, **overrides}
     weights = random_weights(qwen3_moe_tensors(config), dtype, seed)
-    return write_hf_model(path, config, weights)
+    return write_hf_model(path, config, weights, shards)
 
 
 def large_qwen3_moe(path: Path, seed: int = 0, **overrides: object) -> Path:

@@ -101,15 +101,16 @@ def test_float32_conversion_is_exact(hf_dir, tmp_path):
     assert mx.array_equal(model(PROMPT), ref(PROMPT)).item()
 
 
-def test_stored_dtype_compute_is_exact(converted, hf_dir, recipe):
-    """Computing in the stored bfloat16 (the GPU default) is exact too."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype):
+    """The stored bfloat16 (the GPU default), and float16 (rounded from it)."""
     from moestream.reference import resident_model
 
-    model, _ = moestream.load(converted, cache_experts=3, dtype="bfloat16")
-    ref = resident_model(hf_dir, recipe, compute_dtype="bfloat16")
+    model, _ = moestream.load(converted, cache_experts=3, dtype=dtype)
+    ref = resident_model(hf_dir, recipe, compute_dtype=dtype)
     ours, theirs = logits_stepwise(model, PROMPT, 4), logits_stepwise(ref, PROMPT, 4)
     for a, b in zip(ours, theirs, strict=True):
-        assert a.dtype == mx.bfloat16
+        assert a.dtype == getattr(mx, dtype)
         assert mx.array_equal(a, b).item()
 
 
@@ -118,6 +119,7 @@ def test_stored_dtype_compute_is_exact(converted, hf_dir, recipe):
     [
         {"tie_word_embeddings": True, "mlp_only_layers": []},
         {"torch_dtype": "float16", "num_experts": 6, "num_experts_per_tok": 3},
+        {"torch_dtype": "float32", "shards": 1},
     ],
 )
 def test_variants_exact(tmp_path, overrides):
@@ -127,8 +129,12 @@ def test_variants_exact(tmp_path, overrides):
     from moestream.reference import resident_model
     from moestream.synthetic import tiny_qwen3_moe
 
-    dtype = mx.float16 if overrides.get("torch_dtype") == "float16" else mx.bfloat16
-    src = tiny_qwen3_moe(tmp_path / "hf", dtype=dtype, seed=5, **overrides)
+    overrides = dict(overrides)
+    shards = overrides.pop("shards", 2)
+    dtype = getattr(mx, overrides.get("torch_dtype", "bfloat16"))
+    src = tiny_qwen3_moe(
+        tmp_path / "hf", dtype=dtype, seed=5, shards=shards, **overrides
+    )
     convert(str(src), tmp_path / "out", bits="down_proj=8", progress=False)
     ref = resident_model(src, Recipe.parse("down_proj=8"))
     model, _ = moestream.load(tmp_path / "out", cache_experts=3)
