@@ -32,7 +32,8 @@ test-all: lint
 demo: $(STAMP)
 	$(BIN)/convert-moe examples/stdlib-moe $(DEMO_OUT) --force
 	$(BIN)/run-moe $(DEMO_OUT) --prompt "def read_config(path):" \
-		--ignore-chat-template --max-tokens 120 --cache-experts 4 --stats
+		--ignore-chat-template --max-tokens 120 --temp 0.7 --top-p 0.95 --seed 1 \
+		--cache-experts 4 --stats
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .ruff_cache

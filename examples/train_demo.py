@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ CHAT_TEMPLATE = (
     "+ message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+UNKNOWN = 10**9  # step count before the budget is calibrated
 
 
 @dataclass
@@ -277,7 +278,7 @@ def train(model: Model, corpus: Corpus, args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     opt = optim.AdamW(args.lr, [0.9, 0.95], weight_decay=args.weight_decay)
     step_fn = make_step(model, opt, args.aux_coef)
-    total, step, times, history = args.steps or 10**9, 0, [], []
+    total, step, times, history = args.steps or UNKNOWN, 0, [], []
     budget_s, t0 = args.minutes * 60, time.perf_counter()
     while step < total and (args.steps or time.perf_counter() - t0 < budget_s):
         opt.learning_rate = mx.array(lr_at(step, total, args))
@@ -297,7 +298,7 @@ def train(model: Model, corpus: Corpus, args: argparse.Namespace) -> dict:
     last = [c for _, c in history[-3:]] or [ce.item()]
     return {
         "steps": step,
-        "planned_steps": min(total, step if args.steps else total),
+        "planned_steps": total if total < UNKNOWN else step,
         "seconds": time.perf_counter() - t0,
         "train_ce": float(np.mean(last)),
         "history": history,
@@ -450,7 +451,7 @@ def sample_text(out: Path, prompt: str, seed: int, max_tokens: int = 120) -> str
     from mlx_lm.sample_utils import make_sampler
 
     model, tokenizer = load(str(out))
-    model.set_dtype(mx.float32)  # the CPU runs gather_mm fastest in float32
+    model.set_dtype(mx.float32)  # compute in float32 on the CPU, as in training
     mx.random.seed(seed)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     return prompt + generate(
@@ -468,6 +469,7 @@ def model_card(
     """A short README.md for the exported model."""
     n_params = run["n_params"]
     chance = cfg.num_experts_per_tok / cfg.num_experts
+    blas = " (OpenBLAS preloaded)" if "openblas" in os.getenv("LD_PRELOAD", "") else ""
     reproduce = f"`--steps {run['steps']}` reproduces this run"
     if run["steps"] < run["planned_steps"]:
         reproduce = (
@@ -494,8 +496,9 @@ for `make demo` and tests. It writes Python-looking text, nothing more.
   {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads of
   {cfg.head_dim}, {cfg.num_experts} experts per layer, top-{cfg.num_experts_per_tok},
   expert width {cfg.moe_intermediate_size}; {n_params / 1e6:.2f} M parameters.
-- Training: MLX on 2 CPU cores, float32, AdamW (lr {args.lr:g}, warmup
-  {args.warmup}, cosine decay), batch {args.batch_size} x {args.seq_len} tokens,
+- Training: MLX on {os.cpu_count()} CPU cores{blas}, float32, AdamW
+  (lr {args.lr:g}, warmup {args.warmup}, cosine decay),
+  batch {args.batch_size} x {args.seq_len} tokens,
   load-balancing loss weight {args.aux_coef:g}, seed {args.seed};
   {run["steps"]} steps in {run["seconds"] / 60:.1f} min.
 - Loss: train {run["train_ce"]:.3f}, validation {run["val_loss"]:.3f} nats/token

@@ -136,8 +136,10 @@ def _check_destination(out: Path, force: bool) -> None:
             f"Cannot save to {out} as it already exists; remove it or pass --force."
         )
     parent = out.resolve().parent
-    if not parent.is_dir():
-        raise ConvertError(f"Cannot save to {out}: {parent} does not exist.")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConvertError(f"Cannot save to {out}: cannot create {parent}: {e}.") from e
     if not os.access(parent, os.W_OK):
         raise ConvertError(f"Cannot save to {out}: {parent} is not writable.")
 

@@ -64,13 +64,12 @@ class MemoryPlan:
         return self.process + self.dense + self.kv_cache + self.activations + self.pools
 
     def describe(self) -> str:
-        mb = 1 << 20
+        h = human_bytes
         return (
-            f"memory plan: process {self.process / mb:.0f} MB + dense "
-            f"{self.dense / mb:.0f} MB + KV {self.kv_cache / mb:.0f} MB + activations "
-            f"{self.activations / mb:.0f} MB + experts {self.pools / mb:.0f} MB "
-            f"({self.capacity}/{self.num_experts} per layer) = {self.total / mb:.0f} MB"
-            + (f" of {self.budget / mb:.0f} MB" if self.budget else "")
+            f"memory plan: process {h(self.process)} + dense {h(self.dense)} + KV "
+            f"{h(self.kv_cache)} + activations {h(self.activations)} + experts "
+            f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer) = "
+            f"{h(self.total)}" + (f" of {h(self.budget)}" if self.budget else "")
         )
 
 
