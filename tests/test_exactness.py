@@ -157,3 +157,22 @@ def test_resident_from_converted_equals_source_reference(converted, reference):
 
     resident = resident_from_converted(converted)
     assert mx.array_equal(resident(PROMPT), reference(PROMPT)).item()
+
+
+def test_trained_demo_model_exact(tmp_path):
+    """The bundled trained model (real routing, real tokenizer), 4 of 16 resident."""
+    from pathlib import Path
+
+    from moestream.converter import convert
+    from moestream.formats import Recipe
+    from moestream.reference import resident_model
+
+    src = Path(__file__).parent.parent / "examples" / "stdlib-moe"
+    convert(str(src), tmp_path / "demo", progress=False)
+    model, tokenizer = moestream.load(tmp_path / "demo", cache_experts=4)
+    ref = resident_model(src, Recipe())
+    prompt = mx.array(tokenizer.encode("import os\n\ndef walk(top):\n"))
+    ours = logits_stepwise(model, prompt[None], 24)
+    theirs = logits_stepwise(ref, prompt[None], 24)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
+    assert 0 < moestream.stats(model).hit_rate < 1
