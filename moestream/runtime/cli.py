@@ -7,6 +7,7 @@ import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import click
 import mlx.core as mx
@@ -14,12 +15,11 @@ import mlx.nn as nn
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_config, load_tokenizer
 
 from ..errors import user_errors
+from ..formats import load_manifest
 from .loader import DTYPES, load, runtime_of, stats
-
-# Room for a chat template around the prompt, in tokens.
-CHAT_TEMPLATE_TOKENS = 256
 
 
 @dataclass
@@ -36,11 +36,6 @@ def read_prompt(prompt: str) -> str:
     """--prompt as `mlx_lm.generate` reads it: escapes expanded, '-' is stdin."""
     prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     return sys.stdin.read() if prompt == "-" else prompt
-
-
-def max_prompt_tokens(text: str) -> int:
-    """An upper bound known before tokenizing: a token covers at least one byte."""
-    return len(text.encode()) + CHAT_TEMPLATE_TOKENS
 
 
 def encode_prompt(
@@ -156,16 +151,19 @@ def main(
     def run() -> dict:
         if seed is not None:
             mx.random.seed(seed)
-        text = read_prompt(prompt)
+        load_manifest(model_dir)  # a clear error before the tokenizer is read
+        config = load_config(Path(model_dir))
+        tok = load_tokenizer(Path(model_dir), eos_token_ids=config.get("eos_token_id"))
+        ids = encode_prompt(tok, read_prompt(prompt), ignore_chat_template)
         model, tok = load(
             model_dir,
             memory_budget=memory_budget,
             cache_experts=cache_experts,
             dtype=dtype,
             verify=not no_verify,
-            context=max_prompt_tokens(text) + max_tokens,
+            context=len(ids) + max_tokens,
+            tokenizer=tok,
         )
-        ids = encode_prompt(tok, text, ignore_chat_template)
         if show_stats:
             click.echo(runtime_of(model).plan.describe(), err=True)
         on_text = None if as_json else lambda t: print(t, end="", flush=True)

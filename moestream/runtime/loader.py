@@ -51,6 +51,7 @@ class MemoryPlan:
     dense: int
     kv_cache: int
     activations: int
+    staging: int  # one record being widened into float slots
     slot_bytes: int  # one slot in every MoE layer
     capacity: int
     num_experts: int
@@ -61,13 +62,15 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.process + self.dense + self.kv_cache + self.activations + self.pools
+        fixed = self.process + self.dense + self.kv_cache + self.activations
+        return fixed + self.staging + self.pools
 
     def describe(self) -> str:
         h = human_bytes
         return (
             f"memory plan: process {h(self.process)} + dense {h(self.dense)} + KV "
-            f"{h(self.kv_cache)} + activations {h(self.activations)} + experts "
+            f"{h(self.kv_cache)} + activations {h(self.activations)} + staging "
+            f"{h(self.staging)} + experts "
             f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer) = "
             f"{h(self.total)}" + (f" of {h(self.budget)}" if self.budget else "")
         )
@@ -92,22 +95,29 @@ def load(
     dtype: str = "auto",
     verify: bool = True,
     context: int = DEFAULT_CONTEXT,
+    tokenizer: TokenizerWrapper | None = None,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a converted model for `mlx_lm.generate` / `mlx_lm.stream_generate`.
 
     memory_budget: bytes (or "8G") for the whole process: dense weights, expert
         slots, KV cache and activations for `context` tokens. Default: 80 % of RAM.
+        Under a budget, MLX's cache of freed buffers is limited to the share
+        reserved for activations (mx.set_cache_limit).
     cache_experts: resident expert slots per MoE layer; overrides the budget.
     dtype: compute dtype; "auto" is float32 on a CPU, the stored dtype on a GPU.
     verify: check each expert record's checksum the first time it is read.
+    context: tokens (prompt + generation) the KV cache and activations are sized for.
+    tokenizer: reuse one already loaded from `path` (its memory counts as process).
     """
     directory = Path(path)
     manifest = load_manifest(directory)
     if dtype not in DTYPES:
         raise ValueError(f"Unknown dtype {dtype}; use one of {', '.join(DTYPES)}.")
     compute = getattr(mx, resolve_dtype(dtype, manifest.dtype))
-    process = _process_bytes()
     config = load_config(directory)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
+    process = _process_bytes()
     model = build_model(config)
     switches = switch_modules(model)
     layers = check_layers(manifest, switches)
@@ -124,6 +134,9 @@ def load(
         cache_experts,
     )
     del dense
+    if plan.budget is not None:
+        # Freed buffers MLX keeps for reuse live in the activations' share.
+        mx.set_cache_limit(plan.activations)
     stats = RuntimeStats()
     store = ExpertStore(directory, manifest, verify=verify)
     for spath, module in switches.items():
@@ -134,7 +147,6 @@ def load(
     mx.eval(model.parameters())
     model.eval()
     model.moestream = Runtime(directory, manifest, plan, stats, store, compute)
-    tokenizer = load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
 
 
@@ -210,7 +222,10 @@ def plan_memory(
     top_k = int(config.get("num_experts_per_tok", 1))
     slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
     kv, act = _kv_bytes(config, context, compute), _activation_bytes(config, context)
-    plan = MemoryPlan(budget, process, dense, kv, act, slot, num_experts, num_experts)
+    staging = max(layer.record_nbytes for layer in manifest.layers)
+    plan = MemoryPlan(
+        budget, process, dense, kv, act, staging, slot, num_experts, num_experts
+    )
     if cache_experts is not None:
         if not cache_experts >= 1:
             raise BudgetError(
@@ -229,7 +244,9 @@ def plan_memory(
                 f"{top_k} expert slots per layer {human_bytes(top_k * slot)}; give "
                 f"--memory-budget {human_bytes(fixed + top_k * slot, up=True)} or more."
             )
-    return MemoryPlan(budget, process, dense, kv, act, slot, capacity, num_experts)
+    return MemoryPlan(
+        budget, process, dense, kv, act, staging, slot, capacity, num_experts
+    )
 
 
 def _slot_nbytes(layer: ExpertLayer, compute: mx.Dtype) -> int:
@@ -254,16 +271,19 @@ def _kv_bytes(config: dict, context: int, compute: mx.Dtype) -> int:
 
 
 def _activation_bytes(config: dict, context: int) -> int:
-    """A prefill chunk's largest live tensors: attention scores, MoE rows."""
+    """Transient memory of a prefill chunk, in float32.
+
+    Attention scores, the routed rows of the MoE (x3: MLX's CPU kernels keep
+    scratch outside its allocator; measured 0.2 MB/token of prompt at hidden
+    1024, top-8), a few hidden-size buffers, and the logits.
+    """
     tokens = min(PREFILL_STEP, context)
     heads = config.get("num_attention_heads", 1)
     k = config.get("num_experts_per_tok", 1)
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
     hidden = config["hidden_size"]
-    per_token = (
-        heads * min(context, PREFILL_STEP) + k * (3 * inter + hidden) + 8 * hidden
-    )
-    return 4 * tokens * per_token + config.get("vocab_size", 0) * 4 * 2
+    per_token = heads * tokens + 3 * k * (3 * inter + hidden) + 24 * hidden
+    return 4 * (tokens * per_token + 2 * config.get("vocab_size", 0))
 
 
 def _physical_memory() -> int:

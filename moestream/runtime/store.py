@@ -23,6 +23,9 @@ class ExpertStore:
     def __init__(self, directory: Path, manifest: Manifest, verify: bool = True):
         self.verify = verify
         self.readers: dict[int, BlobReader] = {}
+        # One staging record for all layers: fills run one at a time.
+        size = max((layer.record_nbytes for layer in manifest.layers), default=0)
+        self.staging = memoryview(bytearray(size))
         self._verified: dict[int, np.ndarray] = {}
         try:
             for layer in manifest.layers:
@@ -77,7 +80,7 @@ class SlotFiller:
 
     def __init__(self, store: ExpertStore, layer: ExpertLayer, slots: list[mx.array]):
         self.store, self.layer = store, layer
-        self.staging = memoryview(bytearray(layer.record_nbytes))
+        self.staging = store.staging
         self.views = [writable_view(a) for a in slots]
         self.dtypes = [a.dtype for a in slots]
         self.order = sorted(range(len(slots)), key=lambda i: layer.segments[i].offset)
