@@ -27,7 +27,7 @@ from ..formats.manifest import inside
 from ..units import human_bytes, parse_size
 from .pool import RuntimeStats
 from .store import ExpertStore, check_layers
-from .switch import StreamingSwitchGLU
+from .switch import Outstanding, StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +144,10 @@ def load(
         mx.set_cache_limit(plan.activations)
     stats = RuntimeStats()
     store = ExpertStore(directory, manifest, verify=verify)
+    outstanding = Outstanding()
     for spath, module in switches.items():
         streaming = StreamingSwitchGLU(
-            module, layers[spath], store, plan.capacity, compute, stats
+            module, layers[spath], store, plan.capacity, compute, stats, outstanding
         )
         replace_module(model, spath, streaming)
     mx.eval(model.parameters())

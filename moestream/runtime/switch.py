@@ -6,8 +6,10 @@ to slots, reads the missing experts straight into slot memory, and runs
 mlx-lm's SwitchGLU on slot-local indices: same kernels, same activation and
 biases, so the result is bit-identical to the fully resident model.
 
-Slots are written in place, so a call evaluates its output before returning:
-no pending computation ever reads a slot that a later call overwrites.
+Slots are written in place. Every output a streaming layer returns is kept in
+a list shared by the model's layers and evaluated right after the next host
+sync (where it is already computed, so this costs nothing): no pending
+computation ever reads a slot that a later call overwrites.
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ from .store import ExpertStore, SlotFiller
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
 
+class Outstanding:
+    """Outputs of streaming layers that may not be evaluated yet."""
+
+    def __init__(self) -> None:
+        self.arrays: list[mx.array] = []
+
+    def settle(self) -> None:
+        """Evaluate them all: after this, no computation reads any slot."""
+        if self.arrays:
+            mx.eval(self.arrays)
+            self.arrays.clear()
+
+
 class StreamingSwitchGLU(nn.Module):
     def __init__(
         self,
@@ -33,6 +48,7 @@ class StreamingSwitchGLU(nn.Module):
         capacity: int,
         float_dtype: mx.Dtype,
         stats: RuntimeStats,
+        outstanding: Outstanding,
     ):
         super().__init__()
         # Underscored: not parameters, so load_weights and casts leave them alone.
@@ -40,6 +56,7 @@ class StreamingSwitchGLU(nn.Module):
         self._layer = layer
         self._store = store
         self._stats = stats
+        self._outstanding = outstanding
         self._float_dtype = float_dtype
         self._pool = SlotPool(min(capacity, layer.num_experts))
         self._targets = self._allocate_slots()
@@ -84,13 +101,15 @@ class StreamingSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         experts = np.array(indices)  # the one host sync of this layer
+        self._outstanding.settle()
         unique = np.unique(experts)
         if unique.size <= self.capacity:
             lut = self._load(unique)
             y = self._inner(x, mx.array(lut[experts]))
-            mx.eval(y)
-            return y
-        return self._grouped(x, experts, unique)
+        else:
+            y = self._grouped(x, experts, unique)
+        self._outstanding.arrays.append(y)
+        return y
 
     def _load(self, experts: np.ndarray) -> np.ndarray:
         """Make `experts` resident; return the expert -> slot lookup table."""
