@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_config, quantize_model
 
-from .converter.pack import _source_dtype, quant_predicate
+from .converter.pack import quant_predicate, source_dtype
 from .families import build_model, cast_floating, quantize_as_configured
 from .formats import BlobReader, Recipe, load_manifest
 from .formats.manifest import inside
@@ -35,7 +35,7 @@ def resident_model(
     """mlx-lm model of `source`: cast to `dtype`, quantized by `recipe`, resident."""
     recipe = recipe or Recipe()
     model, _, config = mlx_load(str(source), lazy=True, return_config=True)
-    cast_floating(model, getattr(mx, dtype or _source_dtype(config)))
+    cast_floating(model, getattr(mx, dtype or source_dtype(config)))
     model, _ = _quiet_quantize(model, config, recipe)
     cast_floating(model, getattr(mx, compute_dtype))
     mx.eval(model.parameters())

@@ -116,7 +116,7 @@ def convert(
         raise ConvertError(f"Unknown --dtype {dtype}; use one of {', '.join(DTYPES)}.")
     src = open_source(source, revision)
     family = get_family(src.config)
-    dtype = dtype or _source_dtype(src.config)
+    dtype = dtype or source_dtype(src.config)
     model = build_model(src.config)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -144,7 +144,7 @@ def _check_destination(out: Path, force: bool) -> None:
         raise ConvertError(f"Cannot save to {out}: {parent} is not writable.")
 
 
-def _source_dtype(config: dict) -> str:
+def source_dtype(config: dict) -> str:
     dtype = config.get("torch_dtype") or config.get("dtype")
     if dtype is None and isinstance(config.get("text_config"), dict):
         dtype = config["text_config"].get("dtype")
@@ -343,6 +343,7 @@ def _write_layer(
         for e in range(num_experts)
     )
     sums = write_blob(tmp / entry.file, entry, records)
+    log.debug("layer %d: %d experts x %d bytes", layer, num_experts, record_nbytes)
     return replace(entry, checksums=tuple(sums))
 
 

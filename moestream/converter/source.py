@@ -49,9 +49,6 @@ class Source:
     files: dict[str, Path] = field(default_factory=dict)
     _open: dict[Path, dict[str, mx.array]] = field(default_factory=dict)
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file(self.files[name])[name].shape)
-
     def peek(self, names: list[str]) -> dict[str, mx.array]:
         """Lazy arrays for `names` without reading data (for shapes and names)."""
         return {n: self._file(self.files[n])[n] for n in names}
@@ -89,6 +86,7 @@ def resolve(source: str, revision: str | None = None) -> tuple[Path, str | None]
         )
     from huggingface_hub import snapshot_download
 
+    log.info("downloading %s (revision %s)", source, revision or "default")
     try:
         local = snapshot_download(
             source, revision=revision, allow_patterns=HUB_PATTERNS

@@ -82,14 +82,6 @@ class ExpertLayer:
                 return s
         raise KeyError(name)
 
-    def quant_params(self) -> dict[str, dict[str, Any]]:
-        """Per projection: the mlx quantization of its weight segment."""
-        return {
-            s.projection: {"bits": s.bits, "group_size": s.group_size, "mode": s.mode}
-            for s in self.segments
-            if s.name.endswith(".weight") and s.bits is not None
-        }
-
 
 @dataclass(frozen=True)
 class Manifest:

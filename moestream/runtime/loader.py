@@ -139,6 +139,7 @@ def load(
         cache_experts,
     )
     del dense
+    log.info(plan.describe())
     if plan.budget is not None:
         # Freed buffers MLX keeps for reuse live in the activations' share.
         mx.set_cache_limit(plan.activations)
