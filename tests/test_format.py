@@ -278,3 +278,18 @@ def test_missing_tensor_and_bad_shape_refused(hf_dir: Path, tmp_path: Path) -> N
     with pytest.raises(SourceError, match=r"shape \(128, 64\).*config"):
         convert(str(tmp_path / "b"), tmp_path / "out-b", progress=False)
     assert not (tmp_path / "out-a").exists() and not (tmp_path / "out-b").exists()
+
+
+@pytest.mark.parametrize(
+    "bits, message",
+    [
+        ("gat_proj=4", r"names 'gat_proj'.*gate_proj"),
+        ("down_proj@5-9=8", r"covers no MoE layer \(they are 0-2\)"),
+    ],
+)
+def test_recipe_that_matches_nothing_refused(
+    hf_dir: Path, tmp_path: Path, bits, message
+) -> None:
+    with pytest.raises(ConvertError, match=message):
+        convert(str(hf_dir), tmp_path / "out", bits=bits, progress=False)
+    assert not (tmp_path / "out").exists()

@@ -118,6 +118,7 @@ def convert(
     family = get_family(src.config)
     dtype = dtype or source_dtype(src.config)
     model = build_model(src.config)
+    _check_recipe(recipe, model)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -142,6 +143,27 @@ def _check_destination(out: Path, force: bool) -> None:
         raise ConvertError(f"Cannot save to {out}: cannot create {parent}: {e}.") from e
     if not os.access(parent, os.W_OK):
         raise ConvertError(f"Cannot save to {out}: {parent} is not writable.")
+
+
+def _check_recipe(recipe: Recipe, model: nn.Module) -> None:
+    """A --bits entry that matches nothing in this model is a mistake, not a no-op."""
+    switches = switch_modules(model)
+    projections = sorted(
+        {p for m in switches.values() for p in m.children() if hasattr(m[p], "weight")}
+    )
+    layers = sorted(layer_index(p) for p in switches)
+    named = {*recipe.experts, *(o.projection for o in recipe.overrides)}
+    for name in sorted(named - set(projections)):
+        raise ConvertError(
+            f"--bits names {name!r}, but this model's experts have "
+            f"{', '.join(projections)}; check the spelling."
+        )
+    for o in recipe.overrides:
+        if not any(o.first <= layer <= o.last for layer in layers):
+            raise ConvertError(
+                f"--bits range {o.projection}@{o.first}-{o.last} covers no MoE layer "
+                f"(they are {layers[0]}-{layers[-1]})."
+            )
 
 
 def source_dtype(config: dict) -> str:
