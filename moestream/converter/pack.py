@@ -26,7 +26,15 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from .. import __version__
-from ..families import Family, build_model, get_family, layer_index, switch_modules
+from ..families import (
+    DTYPE_NAMES,
+    Family,
+    build_model,
+    get_family,
+    layer_index,
+    module_at,
+    switch_modules,
+)
 from ..formats import (
     ExpertLayer,
     Manifest,
@@ -43,13 +51,6 @@ from .source import Source, SourceError, group_by_layer, open_source
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16", "bfloat16")
-MX_TO_NAME = {
-    mx.uint8: "uint8",
-    mx.uint32: "uint32",
-    mx.float16: "float16",
-    mx.bfloat16: "bfloat16",
-    mx.float32: "float32",
-}
 DENSE_SHARD_BYTES = 4 << 30
 
 
@@ -339,7 +340,7 @@ def _write_layer(
         [
             (
                 name,
-                MX_TO_NAME[a.dtype],
+                DTYPE_NAMES[a.dtype],
                 tuple(a.shape[1:]),
                 quantization.get(f"{spath}.{name.rpartition('.')[0]}")
                 if name.endswith((".weight", ".scales", ".biases"))
@@ -424,8 +425,6 @@ def _write_config(tmp: Path, config: dict, quantization: dict) -> None:
 def _summary(
     manifest: Manifest, dense_bytes: int, switches: dict[str, int], model: nn.Module
 ) -> ConvertSummary:
-    from ..families import module_at
-
     params = 0
     for spath in switches:
         for _, w in tree_flatten(module_at(model, spath).parameters()):

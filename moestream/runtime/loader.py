@@ -131,7 +131,7 @@ def load(
     model = build_model(config)
     switches = switch_modules(model)
     layers = check_layers(manifest, switches)
-    dense = _load_dense(model, directory, manifest, config)
+    _load_dense(model, directory, manifest, config)
     cast_floating(model, compute)
     plan = plan_memory(
         manifest,
@@ -143,7 +143,6 @@ def load(
         parse_size(memory_budget) if memory_budget is not None else None,
         cache_experts,
     )
-    del dense
     log.info(plan.describe())
     if plan.budget is not None:
         _bound_allocators(plan)
@@ -196,7 +195,7 @@ def resolve_dtype(dtype: str, stored: str) -> str:
 
 def _load_dense(
     model: nn.Module, directory: Path, manifest: Manifest, config: dict
-) -> dict[str, mx.array]:
+) -> None:
     weights = {}
     for name in manifest.dense_files:
         f = inside(directory, name)
@@ -216,7 +215,6 @@ def _load_dense(
         )
     except ValueError as e:
         raise FormatError(f"Dense weights do not fit the model: {e}") from e
-    return weights
 
 
 def _placeholders(model: nn.Module, keys: set[str]) -> list[tuple[str, mx.array]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..families import DTYPE_NAMES
 from ..formats import BlobReader, ExpertLayer, FormatError, Manifest, Segment
 from ..formats.blob import NUMPY_DTYPES
 from ..formats.manifest import inside
@@ -120,9 +121,6 @@ class SlotFiller:
             a = mx.contiguous(a.astype(dtype))
             mx.eval(a)
             dst[...] = writable_view(a)
-
-
-DTYPE_NAMES = {getattr(mx, name): name for name in NUMPY_DTYPES}
 
 
 def check_layers(

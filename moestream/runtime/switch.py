@@ -54,7 +54,6 @@ class StreamingSwitchGLU(nn.Module):
         # Underscored: not parameters, so load_weights and casts leave them alone.
         self._inner = inner
         self._layer = layer
-        self._store = store
         self._stats = stats
         self._outstanding = outstanding
         self._float_dtype = float_dtype
