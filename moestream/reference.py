@@ -23,7 +23,7 @@ from .converter.pack import quant_predicate, source_dtype
 from .families import build_model, cast_floating, quantize_as_configured
 from .formats import BlobReader, Recipe, load_manifest
 from .formats.manifest import inside
-from .runtime.loader import resolve_dtype
+from .runtime.loader import dense_weights, resolve_dtype
 
 
 def resident_model(
@@ -48,9 +48,7 @@ def resident_from_converted(directory: str | Path, dtype: str = "auto") -> nn.Mo
     manifest = load_manifest(directory)
     config = load_config(directory)
     model = build_model(config)
-    weights = {}
-    for name in manifest.dense_files:
-        weights.update(mx.load(str(inside(directory, name))))
+    weights = dense_weights(directory, manifest)
     for layer in manifest.layers:
         with BlobReader(inside(directory, layer.file), layer) as blob:
             records = [blob.record(e) for e in range(layer.num_experts)]

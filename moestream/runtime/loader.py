@@ -193,43 +193,43 @@ def resolve_dtype(dtype: str, stored: str) -> str:
     return "float32" if mx.default_device() == mx.cpu else stored
 
 
-def _load_dense(
-    model: nn.Module, directory: Path, manifest: Manifest, config: dict
-) -> None:
+def dense_weights(directory: Path, manifest: Manifest) -> dict[str, mx.array]:
+    """The dense safetensors files of a converted model, checked and opened lazily."""
     weights = {}
     for name in manifest.dense_files:
         f = inside(directory, name)
         if not f.is_file():
             raise FormatError(f"Dense weights {f} are missing; convert again.")
         weights.update(mx.load(str(f)))
+    return weights
+
+
+def _load_dense(
+    model: nn.Module, directory: Path, manifest: Manifest, config: dict
+) -> None:
+    weights = dense_weights(directory, manifest)
     quantize_as_configured(model, config, weights)
-    switches = switch_modules(model)
-    expert_keys = {
-        k
-        for k, _ in tree_flatten(model.parameters())
-        if any(k.startswith(s + ".") for s in switches)
-    }
+    # The expert tensors stream from blobs: keep the lazy, never-evaluated ones.
+    placeholders = list(_expert_params(model).items())
     try:
-        model.load_weights(
-            list(weights.items()) + _placeholders(model, expert_keys), strict=True
-        )
+        model.load_weights(list(weights.items()) + placeholders, strict=True)
     except ValueError as e:
         raise FormatError(f"Dense weights do not fit the model: {e}") from e
 
 
-def _placeholders(model: nn.Module, keys: set[str]) -> list[tuple[str, mx.array]]:
-    """The expert tensors stream from blobs: keep the lazy, never-evaluated ones."""
-    params = dict(tree_flatten(model.parameters()))
-    return [(k, params[k]) for k in sorted(keys)]
+def _expert_params(model: nn.Module) -> dict[str, mx.array]:
+    switches = switch_modules(model)
+    return {
+        k: v
+        for k, v in tree_flatten(model.parameters())
+        if any(k.startswith(s + ".") for s in switches)
+    }
 
 
 def _nbytes(model: nn.Module) -> int:
-    switches = switch_modules(model)
-    return sum(
-        v.nbytes
-        for k, v in tree_flatten(model.parameters())
-        if not any(k.startswith(s + ".") for s in switches)
-    )
+    """Bytes of the model's parameters other than the routed experts."""
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return total - sum(v.nbytes for v in _expert_params(model).values())
 
 
 def plan_memory(
