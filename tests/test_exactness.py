@@ -28,8 +28,15 @@ def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
 
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
-def test_prefill_and_decode_logits_bit_identical(converted, reference, cache_experts):
-    model, _ = moestream.load(converted, cache_experts=cache_experts)
+@pytest.mark.parametrize(
+    "policy, prefetch", [("lrfu", True), ("lru", False), ("lfuda", True)]
+)
+def test_prefill_and_decode_logits_bit_identical(
+    converted, reference, cache_experts, policy, prefetch
+):
+    model, _ = moestream.load(
+        converted, cache_experts=cache_experts, policy=policy, prefetch=prefetch
+    )
     ours = logits_stepwise(model, PROMPT, steps=12)
     theirs = logits_stepwise(reference, PROMPT, steps=12)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
@@ -40,6 +47,7 @@ def test_prefill_and_decode_logits_bit_identical(converted, reference, cache_exp
     if cache_experts < 8:
         assert s.evictions > 0  # the small caches really did evict and reload
         assert s.grouped_calls > 0  # 48 prompt tokens route to more than 5 experts
+    assert (s.prefetched > 0) == prefetch
 
 
 def test_plan_memory_splits_the_budget(converted, monkeypatch):

@@ -11,7 +11,7 @@ from moestream.runtime.pool import SlotPool
 
 
 def test_pool_lru_never_evicts_requested() -> None:
-    pool = SlotPool(3)
+    pool = SlotPool(3, 8, "lru")
     slots, misses = pool.assign(np.array([1, 2, 3]))
     assert len(misses) == 3 and sorted(slots.values()) == [0, 1, 2]
     slots2, misses2 = pool.assign(np.array([1, 4]))  # 2 is least recently used
@@ -24,11 +24,29 @@ def test_pool_lru_never_evicts_requested() -> None:
 
 
 def test_pool_forget_frees_slot() -> None:
-    pool = SlotPool(2)
+    pool = SlotPool(2, 10)
     slots, _ = pool.assign(np.array([7, 8]))
     pool.forget(7)
     _, misses = pool.assign(np.array([8, 9]))
     assert misses == [(9, slots[7])]
+
+
+@pytest.mark.parametrize("policy", ["lrfu", "lfuda"])
+def test_frequency_policies_keep_a_hot_expert_that_lru_drops(policy: str) -> None:
+    # Expert 0 is used at 6 of 8 steps; one-off experts pass through between.
+    steps = [[0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [0, 6], [7, 8], [9, 10], [0, 11]]
+    hits = {}
+    for name in ("lru", policy):
+        pool = SlotPool(3, 12, name)
+        for step in steps[:-1]:
+            pool.assign(np.array(step))
+        hits[name] = pool.resident(0)
+    assert hits == {"lru": False, policy: True}
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="Unknown cache policy 'mru'"):
+        SlotPool(2, 4, "mru")
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """run-moe: generate with a converted model, streaming experts from disk."""
 
+from .config import RuntimeConfig
 from .loader import (
     BudgetError,
     MemoryPlan,
@@ -17,6 +18,7 @@ __all__ = [
     "ExpertReadError",
     "MemoryPlan",
     "Runtime",
+    "RuntimeConfig",
     "RuntimeStats",
     "load",
     "parse_size",

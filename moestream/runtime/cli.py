@@ -20,6 +20,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 from ..errors import user_errors
 from ..formats import load_manifest
 from .loader import DTYPES, load, runtime_of, stats
+from .pool import POLICIES
 
 
 @dataclass
@@ -120,6 +121,18 @@ def peak_rss() -> int:
     help="Skip checking each expert's checksum on its first read.",
 )
 @click.option(
+    "--policy",
+    type=click.Choice(sorted(POLICIES)),
+    default="lrfu",
+    show_default=True,
+    help="Which resident expert to evict first.",
+)
+@click.option(
+    "--no-prefetch",
+    is_flag=True,
+    help="Do not predict and pre-read the next layer's experts.",
+)
+@click.option(
     "--stats",
     "show_stats",
     is_flag=True,
@@ -143,6 +156,8 @@ def main(
     cache_experts: int | None,
     dtype: str,
     no_verify: bool,
+    policy: str,
+    no_prefetch: bool,
     show_stats: bool,
     as_json: bool,
 ) -> None:
@@ -162,6 +177,8 @@ def main(
             dtype=dtype,
             verify=not no_verify,
             context=len(ids) + max_tokens,
+            policy=policy,
+            prefetch=not no_prefetch,
             tokenizer=tok,
         )
         if show_stats:
@@ -200,6 +217,8 @@ def report(model: nn.Module, gen: Generation) -> dict:
             "generation_tps": gen.generation_tps,
             "hit_rate": s.hit_rate,
             "bytes_read": s.bytes_read,
+            "prefetch_precision": s.prefetch_precision,
+            "prefetch_recall": s.prefetch_recall,
             "decode_bytes_per_token": (s.bytes_read - gen.prompt_bytes_read)
             / max(n - 1, 1),
             "peak_memory": peak_rss(),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import resource
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from mlx_lm.utils import load_config, load_tokenizer
 from ..families import (
     build_model,
     cast_floating,
+    layer_index,
+    module_at,
     quantize_as_configured,
     replace_module,
     switch_modules,
@@ -27,15 +31,14 @@ from ..families import (
 from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..units import human_bytes, parse_size
-from .pool import RuntimeStats
+from .config import RuntimeConfig
+from .pool import POLICIES, RuntimeStats
 from .store import ExpertStore, check_layers
 from .switch import Outstanding, StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-# KV cache and activations are sized for this many tokens unless told otherwise.
-DEFAULT_CONTEXT = 4096
 # mlx-lm's generate_step prefills in chunks of this many tokens.
 PREFILL_STEP = 2048
 # Kept free under a budget for malloc slack and fragmentation that no allocator
@@ -96,68 +99,107 @@ class Runtime:
     stats: RuntimeStats
     store: ExpertStore
     compute_dtype: mx.Dtype
+    config: RuntimeConfig
 
 
 def load(
     path: str | Path,
-    memory_budget: int | str | None = None,
-    cache_experts: int | None = None,
-    dtype: str = "auto",
-    verify: bool = True,
-    context: int = DEFAULT_CONTEXT,
+    config: RuntimeConfig | None = None,
     tokenizer: TokenizerWrapper | None = None,
+    **options: object,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a converted model for `mlx_lm.generate` / `mlx_lm.stream_generate`.
 
-    memory_budget: bytes (or "8G") for the whole process: dense weights, expert
-        slots, KV cache and activations for `context` tokens. Default: 80 % of RAM.
-        Under a budget, MLX's cache of freed buffers and glibc's mmap
-        threshold are bounded so freed memory does not pile up (process-wide).
-    cache_experts: resident expert slots per MoE layer; overrides the budget.
-    dtype: compute dtype; "auto" is float32 on a CPU, the stored dtype on a GPU.
-    verify: check each expert record's checksum the first time it is read.
-    context: tokens (prompt + generation) the KV cache and activations are sized for.
+    config: the runtime options (`RuntimeConfig`); keyword `options` override
+        its fields, e.g. `load(out, memory_budget="8G", prefetch=False)`.
     tokenizer: reuse one already loaded from `path` (its memory counts as process).
     """
+    cfg = RuntimeConfig(**{**(config.__dict__ if config else {}), **options})
     directory = Path(path)
     manifest = load_manifest(directory)
-    if dtype not in DTYPES:
-        raise ValueError(f"Unknown dtype {dtype}; use one of {', '.join(DTYPES)}.")
-    compute = getattr(mx, resolve_dtype(dtype, manifest.dtype))
-    config = load_config(directory)
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"Unknown dtype {cfg.dtype}; use one of {', '.join(DTYPES)}.")
+    if cfg.policy not in POLICIES:
+        raise ValueError(
+            f"Unknown cache policy {cfg.policy!r}; use one of {', '.join(POLICIES)}."
+        )
+    compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
+    model_config = load_config(directory)
     if tokenizer is None:
-        tokenizer = load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(
+            directory, eos_token_ids=model_config.get("eos_token_id")
+        )
     process = _process_bytes()
-    model = build_model(config)
+    model = build_model(model_config)
     switches = switch_modules(model)
     layers = check_layers(manifest, switches)
-    _load_dense(model, directory, manifest, config)
+    _load_dense(model, directory, manifest, model_config)
     cast_floating(model, compute)
+    budget = cfg.memory_budget
     plan = plan_memory(
         manifest,
-        config,
+        model_config,
         _nbytes(model),
         compute,
         process,
-        context,
-        parse_size(memory_budget) if memory_budget is not None else None,
-        cache_experts,
+        cfg.context,
+        parse_size(budget) if budget is not None else None,
+        cfg.cache_experts,
     )
     log.info(plan.describe())
     if plan.budget is not None:
         _bound_allocators(plan)
-    stats = RuntimeStats()
-    store = ExpertStore(directory, manifest, verify=verify)
+    stats = RuntimeStats(trace={} if cfg.record_trace else None)
+    store = ExpertStore(directory, manifest, verify=cfg.verify)
     outstanding = Outstanding()
+    streaming = {}
     for spath, module in switches.items():
-        streaming = StreamingSwitchGLU(
-            module, layers[spath], store, plan.capacity, compute, stats, outstanding
+        streaming[spath] = StreamingSwitchGLU(
+            module,
+            layers[spath],
+            store,
+            plan.capacity,
+            compute,
+            stats,
+            outstanding,
+            cfg.policy,
         )
-        replace_module(model, spath, streaming)
+        replace_module(model, spath, streaming[spath])
+    if cfg.prefetch:
+        _chain_prefetch(model, streaming, model_config)
     mx.eval(model.parameters())
     model.eval()
-    model.moestream = Runtime(directory, manifest, plan, stats, store, compute)
+    model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
     return model, tokenizer
+
+
+def _chain_prefetch(
+    model: nn.Module, streaming: dict[str, StreamingSwitchGLU], config: dict
+) -> None:
+    """Give each MoE layer the next one's router, to predict its experts early."""
+    ordered = sorted(streaming.items(), key=lambda kv: layer_index(kv[0]))
+    k = int(config.get("num_experts_per_tok", 1))
+    for (_, layer), (path, nxt) in itertools.pairwise(ordered):
+        predict = router_predictor(module_at(model, path.rpartition(".")[0]), k)
+        if predict is not None:
+            layer.chain(nxt, predict)
+
+
+def router_predictor(block: nn.Module, k: int) -> Callable | None:
+    """x -> the `k` experts `block`'s router picks for x (None: no router found)."""
+    gate = next(
+        (getattr(block, n) for n in ("gate", "router") if hasattr(block, n)), None
+    )
+    if not callable(gate):
+        return None
+
+    def predict(x: mx.array) -> mx.array:
+        out = gate(x)
+        if isinstance(out, tuple):  # gates that route themselves: (inds, scores)
+            return out[0]
+        return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
+
+    return predict
 
 
 def _bound_allocators(plan: MemoryPlan) -> None:

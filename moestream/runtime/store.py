@@ -57,6 +57,19 @@ class ExpertStore:
                 )
             self._verified[layer][expert] = True
 
+    def willneed(self, layer: int, experts: list[int]) -> None:
+        """Ask the kernel to read these records now, in parallel, in the background."""
+        reader = self.readers[layer]
+        try:
+            for e in experts:
+                reader.willneed(e)
+        except OSError:
+            pass  # only a hint: the read that needs the record reports errors
+
+    def drop_cache(self) -> None:
+        for r in self.readers.values():
+            r.drop_cache()
+
     def close(self) -> None:
         for r in self.readers.values():
             r.close()

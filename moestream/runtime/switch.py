@@ -14,6 +14,8 @@ computation ever reads a slot that a later call overwrites.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -49,17 +51,30 @@ class StreamingSwitchGLU(nn.Module):
         float_dtype: mx.Dtype,
         stats: RuntimeStats,
         outstanding: Outstanding,
+        policy: str = "lrfu",
     ):
         super().__init__()
         # Underscored: not parameters, so load_weights and casts leave them alone.
         self._inner = inner
         self._layer = layer
+        self._store = store
         self._stats = stats
         self._outstanding = outstanding
         self._float_dtype = float_dtype
-        self._pool = SlotPool(min(capacity, layer.num_experts))
+        cap = min(capacity, layer.num_experts)
+        self._pool = SlotPool(cap, layer.num_experts, policy)
         self._targets = self._allocate_slots()
         self._filler = SlotFiller(store, layer, [m[n] for m, n in self._targets])
+        # Prefetch: the next MoE layer and its router's prediction from our input.
+        self._next: StreamingSwitchGLU | None = None
+        self._predict: Callable[[mx.array], mx.array] | None = None
+        self._prefetched: set[int] = set()
+
+    def chain(
+        self, nxt: StreamingSwitchGLU, predict: Callable[[mx.array], mx.array]
+    ) -> None:
+        """Prefetch for `nxt` with `predict(x)`: its router applied to our input."""
+        self._next, self._predict = nxt, predict
 
     @property
     def capacity(self) -> int:
@@ -99,24 +114,50 @@ class StreamingSwitchGLU(nn.Module):
         return targets
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        experts = np.array(indices)  # the one host sync of this layer
+        predicted = self._predict(x) if self._predict is not None else None
+        mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
+        experts = np.array(indices)  # the one host sync of this layer (above)
         self._outstanding.settle()
+        if self._stats.trace is not None:
+            rows = experts.reshape(-1, experts.shape[-1])
+            self._stats.trace.setdefault(self._layer.layer, []).append(rows)
         unique = np.unique(experts)
+        missing = [int(e) for e in unique if not self._pool.resident(int(e))]
+        if missing:  # the kernel reads them in parallel while we copy
+            self._store.willneed(self._layer.layer, missing)
+        if predicted is not None:
+            self._next.prefetch(np.unique(np.array(predicted)))  # type: ignore[union-attr]
         if unique.size <= self.capacity:
-            lut = self._load(unique)
+            lut = self._load(unique, tokens=experts.size // experts.shape[-1])
             y = self._inner(x, mx.array(lut[experts]))
         else:
             y = self._grouped(x, experts, unique)
+        self._prefetched.clear()
         self._outstanding.arrays.append(y)
+        mx.async_eval(y)  # compute while Python builds the next layer's graph
         return y
 
-    def _load(self, experts: np.ndarray) -> np.ndarray:
+    def prefetch(self, experts: np.ndarray) -> None:
+        """Start reading the records of `experts` that are not resident."""
+        missing = [int(e) for e in experts if not self._pool.resident(int(e))]
+        if missing:
+            self._store.willneed(self._layer.layer, missing)
+            self._prefetched.update(missing)
+            self._stats.prefetched += len(missing)
+            self._stats.prefetch_bytes += len(missing) * self._layer.record_nbytes
+
+    def _load(self, experts: np.ndarray, tokens: int = 1) -> np.ndarray:
         """Make `experts` resident; return the expert -> slot lookup table."""
         free = len(self._pool.free)
-        slots, misses = self._pool.assign(experts)
-        self._stats.hits += len(experts) - len(misses)
-        self._stats.misses += len(misses)
-        self._stats.evictions += max(0, len(misses) - free)
+        slots, misses = self._pool.assign(experts, tokens)
+        stats = self._stats
+        stats.hits += len(experts) - len(misses)
+        stats.misses += len(misses)
+        stats.evictions += max(0, len(misses) - free)
+        used = self._prefetched.intersection(slots)
+        stats.prefetched_used += len(used)
+        stats.misses_prefetched += sum(e in used for e, _ in misses)
+        self._prefetched.difference_update(used)
         for n, (expert, slot) in enumerate(misses):
             try:
                 self._filler.fill(expert, slot)
@@ -124,12 +165,12 @@ class StreamingSwitchGLU(nn.Module):
                 for e, _ in misses[n:]:  # their slots hold partial data now
                     self._pool.forget(e)
                 raise
-            self._stats.bytes_read += self._layer.record_nbytes
+            stats.bytes_read += self._layer.record_nbytes
         if misses:
             layer = self._layer.layer
-            self._stats.per_layer_misses[layer] = self._stats.per_layer_misses.get(
-                layer, 0
-            ) + len(misses)
+            stats.per_layer_misses[layer] = stats.per_layer_misses.get(layer, 0) + len(
+                misses
+            )
         lut = np.zeros(self._layer.num_experts, np.uint32)
         for expert, slot in slots.items():
             lut[expert] = slot
@@ -147,7 +188,7 @@ class StreamingSwitchGLU(nn.Module):
         picked, outs = [], []
         for start in range(0, unique.size, self.capacity):
             group = unique[start : start + self.capacity]
-            lut = self._load(group)
+            lut = self._load(group, tokens=flat.size // k if start == 0 else 0)
             pairs = order[np.isin(flat[order], group)]
             local = mx.array(lut[flat[pairs]])[:, None]
             out = self._inner(xs[mx.array(pairs // k)], local)  # (n, 1, D)

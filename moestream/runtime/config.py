@@ -1,0 +1,37 @@
+"""Every runtime option in one place: `load` keywords and run-moe flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# KV cache and activations are sized for this many tokens unless told otherwise.
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How a converted model runs.
+
+    memory_budget: bytes (or "8G") for the whole process: dense weights, expert
+        slots, KV cache and activations for `context` tokens. Default: 80 % of RAM.
+        Under a budget, MLX's cache of freed buffers and glibc's mmap
+        threshold are bounded so freed memory does not pile up (process-wide).
+    cache_experts: resident expert slots per MoE layer; overrides the budget.
+    dtype: compute dtype; "auto" is float32 on a CPU, the stored dtype on a GPU.
+    verify: check each expert record's checksum the first time it is read.
+    context: tokens (prompt + generation) the KV cache and activations are sized for.
+    policy: which resident expert to evict: "lrfu" (decayed use count; best on
+        trained routing, see README), "lfuda" or "lru".
+    prefetch: predict the next layer's experts with its router applied to this
+        layer's input and start reading the missing ones in the background.
+    record_trace: keep every routed expert id in the stats (benchmarks).
+    """
+
+    memory_budget: int | str | None = None
+    cache_experts: int | None = None
+    dtype: str = "auto"
+    verify: bool = True
+    context: int = DEFAULT_CONTEXT
+    policy: str = "lrfu"
+    prefetch: bool = True
+    record_trace: bool = False
