@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from .bench.cli import bench as bench_cmd
 from .converter.cli import main as convert_cmd
 from .runtime.cli import main as run_cmd
 
@@ -15,6 +16,7 @@ def main() -> None:
 
 main.add_command(convert_cmd, "convert")
 main.add_command(run_cmd, "run")
+main.add_command(bench_cmd, "bench")
 
 if __name__ == "__main__":
     main()

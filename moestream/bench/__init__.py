@@ -1,0 +1,1 @@
+"""`moestream bench`: streaming vs mlx-lm resident, side by side, in one run."""

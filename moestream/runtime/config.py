@@ -16,7 +16,8 @@ class RuntimeConfig:
         slots, KV cache and activations for `context` tokens. Default: 80 % of RAM.
         Under a budget, MLX's cache of freed buffers and glibc's mmap
         threshold are bounded so freed memory does not pile up (process-wide).
-    cache_experts: resident expert slots per MoE layer; overrides the budget.
+    cache_experts: resident expert slots per MoE layer, instead of as many as
+        the budget allows; with a budget too, checked to fit it.
     dtype: compute dtype; "auto" is float32 on a CPU, the stored dtype on a GPU.
     verify: check each expert record's checksum the first time it is read.
     context: tokens (prompt + generation) the KV cache and activations are sized for.

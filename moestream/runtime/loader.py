@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import itertools
 import logging
+import math
 import os
 import resource
 import sys
@@ -202,6 +203,33 @@ def router_predictor(block: nn.Module, k: int) -> Callable | None:
     return predict
 
 
+def budget_for(path: str | Path, capacity: int, context: int = 4096) -> int:
+    """A --memory-budget that holds `capacity` slots per layer: the smallest,
+    plus 1 % for the process growing between this call and `load`.
+
+    Plans on a lazily loaded model: no weight is read.
+    """
+    directory = Path(path)
+    manifest = load_manifest(directory)
+    config = load_config(directory)
+    model = build_model(config)
+    _load_dense(model, directory, manifest, config)
+    compute = getattr(mx, resolve_dtype("auto", manifest.dtype))
+    cast_floating(model, compute)
+    plan = plan_memory(
+        manifest,
+        config,
+        _nbytes(model),
+        compute,
+        _process_bytes(),
+        context,
+        None,
+        capacity,
+    )
+    unreserved = plan.total - plan.reserve + RESERVE_BYTES
+    return math.ceil(1.01 * unreserved / (1 - RESERVE_FRACTION))
+
+
 def _bound_allocators(plan: MemoryPlan) -> None:
     """Keep freed memory from piling up outside the plan (process-wide settings).
 
@@ -310,6 +338,13 @@ def plan_memory(
                 f"--cache-experts must be at least 1, got {cache_experts}."
             )
         capacity = min(cache_experts, num_experts)
+        need = plan.total - plan.pools + capacity * slot
+        if budget is not None and need > budget:
+            raise BudgetError(
+                f"{capacity} expert slots per layer need {human_bytes(need)} in all, "
+                f"more than --memory-budget {human_bytes(budget)}; give fewer "
+                "--cache-experts or a larger budget."
+            )
     else:
         free = budget - (plan.total - plan.pools)
         capacity = min(num_experts, max(free, 0) // max(slot, 1))

@@ -1,0 +1,79 @@
+"""moestream bench OUT"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import user_errors
+from ..runtime.pool import POLICIES
+from .harness import BenchConfig, main
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a list like 100,25,12.5.") from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--budgets",
+    default="100,50,25,12.5,10",
+    show_default=True,
+    help="Expert budgets, % of each layer's experts held in slots.",
+)
+@click.option("--modes", default="warm,cold", show_default=True)
+@click.option("--tokens", default=32, show_default=True, help="Decode tokens per run.")
+@click.option(
+    "--prompt-tokens",
+    default=512,
+    show_default=True,
+    help="Prompt length of the prefill runs (0: no prefill runs).",
+)
+@click.option("--repeats", default=3, show_default=True, help="Decode runs per row.")
+@click.option("--prefill-repeats", default=1, show_default=True)
+@click.option(
+    "--policy", type=click.Choice(sorted(POLICIES)), default="lrfu", show_default=True
+)
+@click.option("--no-prefetch", is_flag=True)
+@click.option("--no-verify-cost", is_flag=True, help="Skip the no-checksum row.")
+@click.option(
+    "--reference",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="mlx-lm directory of the same weights (default: stack OUT's experts).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, not a table.")
+def bench(
+    out: str,
+    budgets: str,
+    modes: str,
+    tokens: int,
+    prompt_tokens: int,
+    repeats: int,
+    prefill_repeats: int,
+    policy: str,
+    no_prefetch: bool,
+    no_verify_cost: bool,
+    reference: str | None,
+    as_json: bool,
+) -> None:
+    """Decode and prefill speed, hit rates and memory vs mlx-lm resident."""
+    cfg = BenchConfig(
+        out=Path(out),
+        budgets=_floats(budgets),
+        modes=tuple(m.strip() for m in modes.split(",")),
+        decode_tokens=tokens,
+        prompt_tokens=prompt_tokens,
+        repeats=repeats,
+        prefill_repeats=prefill_repeats,
+        policy=policy,
+        prefetch=not no_prefetch,
+        verify_cost=not no_verify_cost,
+        reference=Path(reference) if reference else None,
+    )
+    user_errors(lambda: main(cfg, as_json))

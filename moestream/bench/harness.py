@@ -1,0 +1,256 @@
+"""The benchmark: streaming at several expert budgets vs mlx-lm fully resident.
+
+Every run is a fresh process (`moestream.bench.worker`) so its peak memory is
+its own; runs are interleaved across repeats and reported as medians, because
+the machine is noisy. Decode runs use a short prompt; prefill is timed in
+separate runs with the long prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from ..formats import BlobReader, load_manifest
+from ..formats.manifest import inside
+from ..runtime.pool import POLICIES
+from .worker import Job
+
+DECODE_PROMPT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    out: Path
+    budgets: tuple[float, ...] = (100, 50, 25, 12.5, 10)  # % of expert bytes
+    modes: tuple[str, ...] = ("warm", "cold")
+    decode_tokens: int = 32
+    prompt_tokens: int = 512  # prefill runs; 0 skips prefill
+    repeats: int = 3
+    prefill_repeats: int = 1
+    policy: str = "lrfu"
+    prefetch: bool = True
+    verify_cost: bool = True  # one extra row: 25 % cold without checksums
+    reference: Path | None = None  # mlx-lm directory of the same weights
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"Unknown policy {self.policy}; use {', '.join(POLICIES)}."
+            )
+        bad = [m for m in self.modes if m not in ("warm", "cold")]
+        if bad or not self.budgets or any(not 0 < b <= 100 for b in self.budgets):
+            raise ValueError(
+                "--budgets takes percentages in (0, 100] and --modes warm,cold."
+            )
+
+
+@dataclass
+class Row:
+    name: str
+    budget_pct: float | None
+    mode: str
+    job: Job
+    decode: list[dict] = field(default_factory=list)
+    prefill: list[dict] = field(default_factory=list)
+
+    def median(self, key: str, runs: str = "decode") -> float:
+        values = [r[key] for r in getattr(self, runs) if key in r]
+        return statistics.median(values) if values else float("nan")
+
+
+def capacity_for(pct: float, num_experts: int, top_k: int) -> int:
+    """Slots per layer holding `pct` % of a layer's experts (at least top-k)."""
+    return min(num_experts, max(top_k, round(pct / 100 * num_experts)))
+
+
+def plan_rows(cfg: BenchConfig) -> list[Row]:
+    manifest = load_manifest(cfg.out)
+    config = json.loads((Path(cfg.out) / "config.json").read_text())
+    experts = max(layer.num_experts for layer in manifest.layers)
+    top_k = int(config.get("num_experts_per_tok", 1))
+    base = Job(
+        out=str(cfg.out),
+        capacity=None,
+        prompt_tokens=DECODE_PROMPT_TOKENS,
+        decode_tokens=cfg.decode_tokens,
+        policy=cfg.policy,
+        prefetch=cfg.prefetch,
+        reference=str(cfg.reference) if cfg.reference else None,
+    )
+    rows = [Row("resident", None, "-", base)]
+    for pct in cfg.budgets:
+        cap = capacity_for(pct, experts, top_k)
+        for mode in cfg.modes:
+            job = replace(base, capacity=cap, cold=mode == "cold")
+            rows.append(Row(f"{pct:g} %", pct, mode, job))
+    if cfg.verify_cost and "cold" in cfg.modes:
+        cap = capacity_for(25, experts, top_k)
+        job = replace(base, capacity=cap, cold=True, verify=False)
+        rows.append(Row("25 % no-verify", 25, "cold", job))
+    return rows
+
+
+def run_job(job: Job) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "moestream.bench.worker", json.dumps(asdict(job))],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"benchmark run failed: {tail[0]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
+    rows = plan_rows(cfg)
+    disk = disk_bandwidth(cfg.out)
+    progress(
+        f"disk under {cfg.out}: cold random reads {disk['qd1']:.2f} GB/s one at a "
+        f"time, {disk['parallel']:.2f} GB/s in parallel"
+    )
+    for r in range(cfg.repeats):
+        for row in rows:
+            row.decode.append(run_job(row.job))
+            progress(f"repeat {r + 1}/{cfg.repeats} {row.name} {row.mode}: decode ok")
+    if cfg.prompt_tokens:
+        for r in range(cfg.prefill_repeats):
+            for row in rows:
+                job = replace(row.job, prompt_tokens=cfg.prompt_tokens, decode_tokens=0)
+                row.prefill.append(run_job(job))
+                progress(f"prefill {r + 1}/{cfg.prefill_repeats} {row.name} {row.mode}")
+    return summarize(cfg, rows, disk)
+
+
+def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
+    ref = rows[0]
+    res_tps = ref.median("decode_tps")
+    res_prefill = ref.median("prefill_tps", "prefill")
+    out = []
+    for row in rows:
+        tps = row.median("decode_tps")
+        entry = {
+            "row": row.name,
+            "mode": row.mode,
+            "capacity": row.job.capacity,
+            "decode_tps": tps,
+            "decode_ratio": tps / res_tps,
+            "prefill_tps": row.median("prefill_tps", "prefill"),
+            "peak_rss": max(r["peak_rss"] for r in row.decode + row.prefill),
+            "tokens_match": all(
+                r["tokens"] == ref.decode[0]["tokens"] for r in row.decode
+            ),
+        }
+        entry["prefill_ratio"] = entry["prefill_tps"] / res_prefill
+        if row.job.capacity is not None:
+            bpt = row.median("bytes_per_token")
+            bound = 1 / res_tps
+            if row.mode == "cold":
+                bound = max(bound, bpt / (disk["parallel"] * 1e9))
+            entry.update(
+                hit_rate=row.median("hit_rate"),
+                lru=statistics.median(r["replay"]["lru"] for r in row.decode),
+                policy=statistics.median(r["replay"][cfg.policy] for r in row.decode),
+                belady=statistics.median(r["replay"]["belady"] for r in row.decode),
+                mb_per_token=bpt / 1e6,
+                prefetch_recall=row.median("prefetch_recall"),
+                prefetch_precision=row.median("prefetch_precision"),
+                wasted_mb_per_token=row.median("prefetch_wasted_bytes")
+                / 1e6
+                / cfg.decode_tokens,
+                budget=max(r["budget"] for r in row.decode + row.prefill),
+                roofline_s=bound,
+                vs_roofline=(1 / tps) / bound,
+            )
+            entry["peak_over_budget"] = entry["peak_rss"] / entry["budget"]
+        out.append(entry)
+    return {"config": _jsonable(asdict(cfg)), "disk_gbps": disk, "rows": out}
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+
+def disk_bandwidth(out: Path, records: int = 48) -> dict[str, float]:
+    """Cold random-read GB/s of whole expert records under `out`."""
+    manifest = load_manifest(out)
+    layer = max(manifest.layers, key=lambda x: x.num_experts * x.stride)
+    rng = random.Random(0)
+    result = {}
+    with BlobReader(inside(Path(out), layer.file), layer) as blob:
+        buf = memoryview(bytearray(layer.record_nbytes))
+        for name in ("qd1", "parallel"):
+            blob.drop_cache()
+            experts = rng.sample(
+                range(layer.num_experts), min(records, layer.num_experts)
+            )
+            start = time.perf_counter()
+            if name == "parallel":
+                for e in experts:  # as the runtime does: hint all, then read
+                    blob.willneed(e)
+            for e in experts:
+                blob.readv(e, [buf])
+            result[name] = (
+                len(experts) * layer.record_nbytes / 1e9 / (time.perf_counter() - start)
+            )
+        blob.drop_cache()
+    return result
+
+
+COLUMNS = [
+    ("row", "row", "{}"),
+    ("mode", "mode", "{}"),
+    ("capacity", "slots", "{}"),
+    ("decode_tps", "decode tok/s", "{:.2f}"),
+    ("decode_ratio", "x resident", "{:.3f}"),
+    ("prefill_tps", "prefill tok/s", "{:.2f}"),
+    ("prefill_ratio", "x resident", "{:.3f}"),
+    ("hit_rate", "hit", "{:.3f}"),
+    ("lru", "LRU replay", "{:.3f}"),
+    ("policy", "policy replay", "{:.3f}"),
+    ("belady", "Belady", "{:.3f}"),
+    ("mb_per_token", "MB/tok", "{:.1f}"),
+    ("prefetch_recall", "pf recall", "{:.2f}"),
+    ("prefetch_precision", "pf precision", "{:.2f}"),
+    ("wasted_mb_per_token", "pf wasted MB/tok", "{:.1f}"),
+    ("peak_rss", "peak MB", "{}"),
+    ("peak_over_budget", "peak/budget", "{:.3f}"),
+    ("vs_roofline", "x roofline", "{:.2f}"),
+    ("tokens_match", "same tokens", "{}"),
+]
+
+
+def format_table(result: dict) -> str:
+    head = [title for _, title, _ in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for entry in result["rows"]:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            v = entry.get(key)
+            if v is None:
+                cells.append("")
+            elif key == "peak_rss":
+                cells.append(str(round(v / 2**20)))
+            else:
+                cells.append(fmt.format(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    d = result["disk_gbps"]
+    lines.append(
+        f"\ndisk: {d['qd1']:.2f} GB/s one read at a time, {d['parallel']:.2f} GB/s "
+        "in parallel (cold random expert records); roofline = max(resident time "
+        "per token, missed MB per token / parallel disk bandwidth) for cold rows."
+    )
+    return "\n".join(lines)
+
+
+def main(cfg: BenchConfig, as_json: bool) -> None:
+    result = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=1) if as_json else format_table(result))

@@ -1,0 +1,60 @@
+"""Replay a recorded routing trace against cache policies and Belady's optimum.
+
+A trace is, per MoE layer, one row of routed expert ids per decode step.
+Policies replay through the runtime's own `SlotPool`; Belady evicts the
+resident expert used furthest in the future (the limit for any policy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..runtime.pool import SlotPool
+
+
+def policy_hits(trace: np.ndarray, capacity: int, policy: str, experts: int) -> int:
+    pool = SlotPool(min(capacity, experts), experts, policy)
+    hits = 0
+    for row in trace:
+        unique = np.unique(row)
+        _, misses = pool.assign(unique)
+        hits += len(unique) - len(misses)
+    return hits
+
+
+def belady_hits(trace: np.ndarray, capacity: int) -> int:
+    steps = [set(np.unique(row).tolist()) for row in trace]
+    next_use: list[dict[int, int]] = [{} for _ in steps]
+    last: dict[int, int] = {}
+    for t in range(len(steps) - 1, -1, -1):
+        for e in steps[t]:
+            next_use[t][e] = last.get(e, len(steps))
+            last[e] = t
+    resident: dict[int, int] = {}
+    hits = 0
+    for t, wanted in enumerate(steps):
+        hits += len(wanted & resident.keys())
+        resident.update(next_use[t])
+        while len(resident) > capacity:
+            victim = max(
+                (e for e in resident if e not in wanted), key=resident.__getitem__
+            )
+            del resident[victim]
+    return hits
+
+
+def replay_all(
+    traces: dict[int, np.ndarray], capacity: int, policy: str = "lrfu"
+) -> dict[str, float]:
+    """Hit rates of LRU, `policy` and Belady on `traces`, from empty caches."""
+    total = sum(sum(len(np.unique(r)) for r in t) for t in traces.values())
+    out = {}
+    for name in dict.fromkeys(["lru", policy]):
+        hits = 0
+        for t in traces.values():
+            experts = int(t.max()) + 1 if t.size else 1
+            hits += policy_hits(t, capacity, name, max(experts, capacity))
+        out[name] = hits / total if total else 0.0
+    hits = sum(belady_hits(t, capacity) for t in traces.values())
+    out["belady"] = hits / total if total else 0.0
+    return out

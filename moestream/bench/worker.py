@@ -1,0 +1,142 @@
+"""One benchmark run in a fresh process (so peak memory is this run's alone).
+
+    python -m moestream.bench.worker '{"out": ..., "capacity": 16, ...}'
+
+Prints one JSON object: prefill and decode timings, cache and prefetch
+counters, cache-policy replays of the decode trace, peak memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load_config, load_tokenizer
+
+from ..families import cast_floating
+from ..formats import load_manifest
+from ..reference import resident_from_converted
+from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
+from .replay import replay_all
+
+# In-domain text for code models, present wherever moestream is installed.
+PROMPT_SOURCE = Path(__file__).resolve().parents[1] / "runtime" / "switch.py"
+
+
+@dataclass(frozen=True)
+class Job:
+    out: str
+    capacity: int | None  # None: mlx-lm's fully resident model
+    cold: bool = False
+    prompt_tokens: int = 512
+    decode_tokens: int = 32
+    policy: str = "lrfu"
+    prefetch: bool = True
+    verify: bool = True
+    reference: str | None = None  # an mlx-lm directory of the same weights
+    # Sampled, seeded decode: the same tokens in every run (the output is exact),
+    # and routing that is not stuck in the loops greedy decode falls into.
+    temp: float = 1.0
+    seed: int = 0
+
+
+def prompt_ids(tokenizer: object, n: int) -> list[int]:
+    ids = tokenizer.encode(PROMPT_SOURCE.read_text())  # type: ignore[attr-defined]
+    return (ids * (n // max(len(ids), 1) + 1))[:n]
+
+
+def run(job: Job) -> dict:
+    out = Path(job.out)
+    tokenizer = load_tokenizer(out, eos_token_ids=load_config(out).get("eos_token_id"))
+    if job.capacity is None:
+        model = _resident(job)
+        runtime = None
+    else:
+        context = job.prompt_tokens + job.decode_tokens + 1
+        budget = budget_for(out, job.capacity, context)
+        gc.collect()
+        model, _ = load(
+            out,
+            tokenizer=tokenizer,
+            cache_experts=job.capacity,
+            memory_budget=budget,
+            policy=job.policy,
+            prefetch=job.prefetch,
+            verify=job.verify,
+            context=context,
+            record_trace=True,
+        )
+        runtime = runtime_of(model)
+        if job.cold:
+            runtime.store.drop_cache()
+    prompt = mx.array(prompt_ids(tokenizer, job.prompt_tokens))
+    mx.random.seed(job.seed)
+    steps = generate_step(
+        prompt,
+        model,
+        max_tokens=job.decode_tokens + 1,
+        sampler=make_sampler(job.temp),
+    )
+    start = time.perf_counter()
+    next(steps)  # prefill, and the first token
+    prefill = time.perf_counter() - start
+    if runtime is not None:
+        if job.cold:
+            runtime.store.drop_cache()
+        runtime.stats.reset()
+    start = time.perf_counter()
+    tokens = [int(t) for t, _ in steps]
+    n = len(tokens)
+    decode = time.perf_counter() - start
+    result = {
+        "prefill_s": prefill,
+        "prefill_tps": job.prompt_tokens / prefill,
+        "decode_tps": n / decode,
+        "decode_tokens": n,
+        "tokens": tokens,
+        "peak_rss": _peak_rss(),
+    }
+    if runtime is not None:
+        s = runtime.stats
+        result.update(s.as_dict())
+        result["bytes_per_token"] = s.bytes_read / max(n, 1)
+        result["budget"] = runtime.plan.budget
+        result["capacity"] = runtime.plan.capacity
+        traces = {layer: np.concatenate(rows) for layer, rows in s.trace.items()}
+        result["replay"] = replay_all(traces, runtime.plan.capacity, job.policy)
+    return result
+
+
+def _resident(job: Job) -> nn.Module:
+    if job.reference:
+        model, _ = mlx_load(job.reference)
+        stored = load_manifest(job.out).dtype
+        cast_floating(model, getattr(mx, resolve_dtype("auto", stored)))
+        mx.eval(model.parameters())
+        return model
+    return resident_from_converted(job.out)
+
+
+def _peak_rss() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def main() -> None:
+    job = Job(**json.loads(sys.argv[1]))
+    print(json.dumps({"job": asdict(job), **run(job)}))
+
+
+if __name__ == "__main__":
+    main()
