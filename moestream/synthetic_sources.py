@@ -39,13 +39,10 @@ def _write(src: Path, dst: Path, config: dict, weights: dict, shards: int) -> Pa
     return dst
 
 
-def to_fused(
-    src: Path, dst: Path, style: str = "gate_up", shards: int | None = None
-) -> Path:
-    """Experts stacked per layer: `experts.gate_up_proj` [E, 2I, H] + `down_proj`
-    [E, H, I] (transformers >= 5), the same transposed, or `experts.gate_proj.weight`
-    [E, I, H] per projection ("stacked"). Default: every tensor in its own shard."""
-    config, w = read_hf(src)
+def fuse_experts(
+    config: dict, w: dict[str, mx.array], style: str = "gate_up"
+) -> dict[str, mx.array]:
+    """Stack each layer's per-expert tensors in `w` the way `style` stores them."""
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}.mlp.experts"
         if f"{p}.0.gate_proj.weight" not in w:
@@ -68,6 +65,17 @@ def to_fused(
         if style == "gate_up_transposed":
             fused = {k: v.swapaxes(1, 2) for k, v in fused.items()}
         w.update({f"{p}.{k}": v for k, v in fused.items()})
+    return w
+
+
+def to_fused(
+    src: Path, dst: Path, style: str = "gate_up", shards: int | None = None
+) -> Path:
+    """Experts stacked per layer: `experts.gate_up_proj` [E, 2I, H] + `down_proj`
+    [E, H, I] (transformers >= 5), the same transposed, or `experts.gate_proj.weight`
+    [E, I, H] per projection ("stacked"). Default: every tensor in its own shard."""
+    config, w = read_hf(src)
+    w = fuse_experts(config, w, style)
     return _write(src, dst, config, w, shards or len(w))
 
 
@@ -89,6 +97,32 @@ def fp8_block_quantize(
     return mx.to_fp8(q), scale
 
 
+def fp8_weights(
+    w: dict[str, mx.array],
+    block: tuple[int, int],
+    keep: Callable[[str], bool] = lambda name: False,
+) -> set[str]:
+    """Replace linear weights in `w` by FP8 + `weight_scale_inv`; the FP8 names."""
+    fp8 = {n for n in w if fp8_quantizable(n)}
+    for name in sorted(fp8):
+        w[name], scale = fp8_block_quantize(w[name], block)
+        if not keep(name):
+            w[f"{name}_scale_inv"] = scale
+    return fp8
+
+
+def fp8_config(config: dict, block: tuple[int, int]) -> dict:
+    return {
+        **config,
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": list(block),
+        },
+    }
+
+
 def to_fp8(
     src: Path,
     dst: Path,
@@ -100,26 +134,46 @@ def to_fp8(
 
     `keep(name)` drops that tensor's scale (to test the refusal)."""
     config, w = read_hf(src)
-    fp8 = []
-    for name in [n for n in sorted(w) if fp8_quantizable(n)]:
-        w[name], scale = fp8_block_quantize(w[name], block)
-        if not keep(name):
-            w[f"{name}_scale_inv"] = scale
-        fp8.append(name)
-    config["quantization_config"] = {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": list(block),
-    }
-    _write(src, dst, config, w, shards)
+    fp8 = fp8_weights(w, block, keep)
+    _write(src, dst, fp8_config(config, block), w, shards)
     for f in dst.glob("*.safetensors"):
-        mark_float8(f, set(fp8))
+        mark_float8(f, fp8)
+    return dst
+
+
+def rewrite_shards(src: Path, dst: Path, layout: str) -> Path:
+    """A large checkpoint (one layer per shard) in `layout` ("fused" or "fp8"),
+    one shard at a time so memory stays at one layer."""
+    config = json.loads((src / "config.json").read_text())
+    if layout == "fp8":
+        config = fp8_config(config, (128, 128))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    dst.mkdir(parents=True)
+    weight_map = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        w = dict(mx.load(str(src / shard)))
+        fp8: set[str] = set()
+        if layout == "fused":
+            w = fuse_experts(config, w)
+        else:
+            fp8 = fp8_weights(w, (128, 128))
+        mx.save_safetensors(str(dst / shard), w, {"format": "pt"})
+        mark_float8(dst / shard, fp8)
+        weight_map.update(dict.fromkeys(w, shard))
+        del w
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+    )
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / f, dst / f)
     return dst
 
 
 def mark_float8(path: Path, names: set[str]) -> None:
     """Relabel uint8 tensors `names` as F8_E4M3, as torch writes float8_e4m3fn."""
+    if not names:
+        return
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])

@@ -253,3 +253,8 @@ def test_mlx_source_with_mixed_group_sizes_needs_a_group_size(hf_dir, tmp_path):
     convert(str(src), tmp_path / "out", q_group_size=64, progress=False)
     recipe = load_manifest(tmp_path / "out").recipe
     assert_exact(tmp_path / "out", resident_model(src, recipe))
+
+
+def test_converted_model_as_source_refused(converted, tmp_path):
+    with pytest.raises(SourceError, match=r"already a moestream model.*run-moe"):
+        convert(str(converted), tmp_path / "out", progress=False)

@@ -98,6 +98,11 @@ def resolve(source: str, revision: str | None = None) -> tuple[Path, str | None]
 
 def open_source(source: str, revision: str | None = None) -> Source:
     path, revision = resolve(source, revision)
+    if (path / "manifest.json").is_file():
+        raise SourceError(
+            f"{path} is already a moestream model (it has manifest.json); run it "
+            "with run-moe, or convert the original checkpoint."
+        )
     config = _read_config(path)
     src = Source(
         path, config, None if path == Path(source).expanduser() else source, revision
