@@ -80,14 +80,18 @@ def to_fused(
 
 
 def fp8_quantizable(name: str) -> bool:
-    """Which tensors Qwen3-FP8 stores in FP8: linear layers but router and head."""
-    return name.endswith("proj.weight")
+    """Which tensors Qwen3-FP8 stores in FP8: linear layers (and fused experts),
+    not the router, embeddings or head."""
+    return name.endswith(("proj.weight", "experts.gate_up_proj", "experts.down_proj"))
 
 
 def fp8_block_quantize(
     w: mx.array, block: tuple[int, int]
 ) -> tuple[mx.array, mx.array]:
     """(float8 e4m3 bytes, float32 scale_inv per block) with w ~ fp8 * scale."""
+    if w.ndim == 3:  # stacked experts: blocks per expert
+        q, s = zip(*(fp8_block_quantize(x, block) for x in w), strict=True)
+        return mx.stack(q), mx.stack(s)
     m, n = w.shape
     bo, bi = block
     pad = mx.pad(w.astype(mx.float32), ((0, -m % bo), (0, -n % bi)))

@@ -103,18 +103,22 @@ def test_dequantize_fp8_by_hand():
     )
 
 
-@pytest.mark.parametrize("block", [(128, 128), (48, 40)])
-def test_fp8_converts_as_its_dequantized_weights(hf_dir, tmp_path, block):
+@pytest.mark.parametrize(
+    "block, fused", [((128, 128), False), ((48, 40), False), ((48, 40), True)]
+)
+def test_fp8_converts_as_its_dequantized_weights(hf_dir, tmp_path, block, fused):
     """FP8 + block scales equal the float weights they stand for (numpy dequant)."""
+    if fused:  # FP8 fused experts: [E, 2I, H] with [E, 2I/48, H/40] scales
+        hf_dir = to_fused(hf_dir, tmp_path / "fused", shards=2)
     src = to_fp8(hf_dir, tmp_path / "fp8", block)
     header = (src / "model-00001-of-00002.safetensors").read_bytes()[:4096]
     assert b"F8_E4M3" in header  # stored as torch stores float8_e4m3fn
     config, w = read_hf(src)
     bo, bi = block
     for name in [n for n in w if fp8_quantizable(n)]:
-        m, n = w[name].shape
+        *_, m, n = w[name].shape
         scale = np.array(w.pop(f"{name}_scale_inv"))
-        scale = np.repeat(np.repeat(scale, bo, 0), bi, 1)[:m, :n]
+        scale = np.repeat(np.repeat(scale, bo, -2), bi, -1)[..., :m, :n]
         w[name] = mx.array(e4m3_to_float32(np.array(w[name])) * scale)
     del config["quantization_config"]
     ref = write_hf_model(tmp_path / "ref", config, w)

@@ -73,6 +73,8 @@ class Layout:
         self.src = src
         self.config = src.config
         self.fused = False
+        # the dtype floating weights are cast to (set by the converter)
+        self.dtype: mx.Dtype | None = None
 
     def describe(self) -> str:
         return "fused expert tensors" if self.fused else "per-expert tensors"
@@ -129,6 +131,9 @@ class Fp8Layout(Layout):
                 "integers like [128, 128]."
             )
 
+    def cast(self, name: str) -> bool:
+        return getattr(self.model, "cast_predicate", lambda _: True)(name)
+
     def describe(self) -> str:
         bo, bi = self.block
         return f"fp8 e4m3 in {bo}x{bi} blocks (dequantized), {super().describe()}"
@@ -141,9 +146,12 @@ class Fp8Layout(Layout):
                     f"Checkpoint has {key} but no {name}; download the complete "
                     "checkpoint."
                 )
-            weights[name] = dequantize_fp8(
-                weights[name], weights.pop(key), self.block, name
-            )
+            w = dequantize_fp8(weights[name], weights.pop(key), self.block, name)
+            # cast now, as the converter would after sanitize: stacking the
+            # experts then holds them in bf16, not float32
+            if self.dtype is not None and self.cast(name):
+                w = w.astype(self.dtype)
+            weights[name] = w
         for name, w in weights.items():
             if w.dtype == mx.uint8:
                 raise SourceError(

@@ -140,6 +140,7 @@ def convert(
     layout = detect(model, src)
     recipe = layout.recipe(bits, q_group_size)
     dtype = dtype or layout.default_dtype() or source_dtype(src.config)
+    layout.dtype = getattr(mx, dtype)
     _check_recipe(recipe, model)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -235,7 +236,11 @@ def _convert_into(
     quantization: dict = recipe.dense.to_mlx()
     dense = _DenseWriter(tmp)
     entries = []
-    for names in tqdm(units, desc="layers", unit="layer", disable=not progress):
+    for i, names in enumerate(
+        tqdm(units, desc="layers", unit="layer", disable=not progress)
+    ):
+        if i + 1 < len(units):
+            src.prefetch(units[i + 1])
         weights = _prepare(src, family, model, layout, names, getattr(mx, dtype))
         out = _quantize_unit(weights, modules, predicate, quantization, layout)
         del weights
