@@ -122,7 +122,9 @@ class Fp8Layout(Layout):
     def __init__(self, model: nn.Module, src: Source) -> None:
         super().__init__(model, src)
         block = (self.config.get("quantization_config") or {}).get("weight_block_size")
-        self.block = tuple(block) if block else FP8_BLOCK
+        self.block = tuple(block) if isinstance(block, list | tuple) else FP8_BLOCK
+        if block is not None and not isinstance(block, list | tuple):
+            self.block = ()
         if len(self.block) != 2 or not all(
             isinstance(b, int) and b > 0 for b in self.block
         ):
