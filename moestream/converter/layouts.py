@@ -121,17 +121,18 @@ class Fp8Layout(Layout):
 
     def __init__(self, model: nn.Module, src: Source) -> None:
         super().__init__(model, src)
-        block = (self.config.get("quantization_config") or {}).get("weight_block_size")
-        self.block = tuple(block) if isinstance(block, list | tuple) else FP8_BLOCK
-        if block is not None and not isinstance(block, list | tuple):
-            self.block = ()
-        if len(self.block) != 2 or not all(
-            isinstance(b, int) and b > 0 for b in self.block
+        qc = self.config.get("quantization_config") or {}
+        block = qc.get("weight_block_size", list(FP8_BLOCK))
+        if not (
+            isinstance(block, list | tuple)
+            and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)
         ):
             raise SourceError(
                 f"config.json has weight_block_size {block}; expected two positive "
                 "integers like [128, 128]."
             )
+        self.block = tuple(block)
 
     def cast(self, name: str) -> bool:
         return getattr(self.model, "cast_predicate", lambda _: True)(name)
