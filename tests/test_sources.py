@@ -60,6 +60,23 @@ def test_fused_experts_convert_byte_identical(hf_dir, converted, tmp_path, style
     same_files(converted, tmp_path / "out")
 
 
+def test_fused_container_mapped_per_family(hf_dir, converted, tmp_path, monkeypatch):
+    """A family whose fused experts live under another module than per-expert ones
+    (as transformers >= 5 renames mixtral's block_sparse_moe to mlp)."""
+    from moestream.converter import layouts
+
+    fused = to_fused(hf_dir, tmp_path / "fused", shards=2)
+    config, w = read_hf(fused)
+    w = {k.replace("mlp.experts.", "moe.experts."): v for k, v in w.items()}
+    src = write_hf_model(tmp_path / "src", config, w, 2)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(hf_dir / f, src / f)
+    names = layouts.ExpertNames(containers=(("moe.experts", "mlp.experts"),))
+    monkeypatch.setitem(layouts.EXPERT_NAMES, "qwen3_moe", names)
+    convert(str(src), tmp_path / "out", bits=BITS, progress=False)
+    same_files(converted, tmp_path / "out")
+
+
 def test_fused_expert_shape_mismatch_refused(hf_dir, tmp_path):
     src = to_fused(hf_dir, tmp_path / "src", "gate_up", shards=1)
     config, w = read_hf(src)
@@ -244,6 +261,16 @@ def test_mlx_mixed_bits_source_kept_per_layer(hf_dir, tmp_path):
         tmp_path / "out", src, ("gate_proj", "up_proj", "down_proj")
     )
     assert_exact(tmp_path / "out", resident_model(src, manifest.recipe))
+
+
+def test_mlx_mxfp4_source_refused_or_requantized(hf_dir, tmp_path):
+    src = to_mlx(hf_dir, tmp_path / "fp4", bits=4, group_size=32, mode="mxfp4")
+    with pytest.raises(SourceError, match=r"mode\(s\) \['mxfp4'\].*Pass --bits"):
+        convert(str(src), tmp_path / "out", progress=False)
+    summary = convert(str(src), tmp_path / "out", bits="down_proj=4", progress=False)
+    assert "down_proj (4-bit g32 mxfp4 -> 4-bit g32)" in summary.notes[0]
+    recipe = load_manifest(tmp_path / "out").recipe
+    assert_exact(tmp_path / "out", resident_model(src, recipe))
 
 
 def test_mlx_source_with_mixed_group_sizes_needs_a_group_size(hf_dir, tmp_path):

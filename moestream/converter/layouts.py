@@ -58,6 +58,15 @@ class ExpertNames:
     down: str = "down_proj"
     # transformers >= 5 stores gate and up as one tensor, gate first
     gate_up: str = "gate_up_proj"
+    # fused container suffix -> per-expert one, where a family's differ
+    # (e.g. {"mlp.experts": "block_sparse_moe.experts"})
+    containers: tuple[tuple[str, str], ...] = ()
+
+    def per_expert(self, container: str) -> str:
+        for fused, per_expert in self.containers:
+            if container.endswith(fused):
+                return container.removesuffix(fused) + per_expert
+        return container
 
 
 # Families whose fused expert tensors are split here; a family whose own
@@ -200,7 +209,11 @@ class MlxLayout(Layout):
 
     def describe(self) -> str:
         q = self.quantization
-        return f"MLX-quantized ({q.get('bits')}-bit, group size {q.get('group_size')})"
+        mode = "" if q.get("mode", "affine") == "affine" else f" {q['mode']}"
+        return (
+            f"MLX-quantized ({q.get('bits')}-bit{mode}, group size "
+            f"{q.get('group_size')})"
+        )
 
     def normalize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return weights
@@ -304,10 +317,7 @@ class MlxLayout(Layout):
             if isinstance(target, dict):
                 self.kept[proj].add(f"{source['bits']}-bit")
             return params, source
-        self.redone[proj].add(
-            f"{source['bits']}-bit g{source['group_size']} -> "
-            f"{target['bits']}-bit g{target['group_size']}"
-        )
+        self.redone[proj].add(f"{_spec_text(source)} -> {_spec_text(target)}")
         w = mx.dequantize(
             params["weight"],
             params["scales"],
@@ -332,6 +342,13 @@ class MlxLayout(Layout):
         if kept:
             lines.append(f"kept as stored:  {', '.join(kept)} and the dense part")
         return lines
+
+
+def _spec_text(spec: dict) -> str:
+    mode = spec.get("mode", "affine")
+    return f"{spec['bits']}-bit g{spec['group_size']}" + (
+        "" if mode == "affine" else f" {mode}"
+    )
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -435,7 +452,8 @@ def _split_fused(
                 if proj == names.gate_up
                 else {proj: t}
             )
+            out = names.per_expert(container)
             for target, stacked in parts.items():
                 for x in range(e):
-                    weights[f"{container}.{x}.{target}.weight"] = stacked[x]
+                    weights[f"{out}.{x}.{target}.weight"] = stacked[x]
     return weights
