@@ -289,3 +289,29 @@ def test_mlx_source_with_mixed_group_sizes_needs_a_group_size(hf_dir, tmp_path):
 def test_converted_model_as_source_refused(converted, tmp_path):
     with pytest.raises(SourceError, match=r"already a moestream model.*run-moe"):
         convert(str(converted), tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "fused", "fp8", "mlx"])
+def test_every_layout_is_read_one_layer_at_a_time(
+    hf_dir, mlx_dir, tmp_path, monkeypatch, layout
+):
+    from moestream.converter.source import Source
+
+    src = {
+        "per-expert": lambda: hf_dir,
+        "fused": lambda: to_fused(hf_dir, tmp_path / "src"),
+        "fp8": lambda: to_fp8(hf_dir, tmp_path / "src"),
+        "mlx": lambda: mlx_dir,
+    }[layout]()
+    taken, opened = [], []
+    take = Source.take
+
+    def recording_take(self, names):
+        taken.append({n.split(".")[2] if ".layers." in n else "rest" for n in names})
+        opened.append(self._open)
+        return take(self, names)
+
+    monkeypatch.setattr(Source, "take", recording_take)
+    convert(str(src), tmp_path / "out", progress=False)
+    assert taken == [{"0"}, {"1"}, {"2"}, {"rest"}]
+    assert not any(opened[0].values())  # every lazily opened tensor handed on

@@ -1,7 +1,8 @@
 """Convert a checkpoint: re-quantize experts, write blobs, dense weights, manifest.
 
-One decoder layer at a time: read its tensors lazily, apply the family's
-mlx-lm `sanitize`, cast, quantize every module exactly as mlx-lm's
+One decoder layer at a time: read its tensors lazily, normalize the source's
+layout (fused experts, FP8 blocks, MLX-quantized: layouts.py), apply the
+family's mlx-lm `sanitize`, cast, quantize every module exactly as mlx-lm's
 `quantize_model` would with the recipe's predicate, then write the routed
 experts to the layer's blob and keep the rest for the dense safetensors.
 """
@@ -128,13 +129,13 @@ def convert(
     `q_group_size` defaults to 64, or to the source's for an MLX-quantized
     checkpoint, whose bits are also the default recipe (see layouts.py).
     """
-    start = time.perf_counter()
     out = Path(out)
     Recipe.parse(bits, q_group_size or 64)  # a typo fails before any download
     _check_destination(out, force)
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"Unknown --dtype {dtype}; use one of {', '.join(DTYPES)}.")
     src = open_source(source, revision)
+    start = time.perf_counter()  # after any download: GB/s of reading the source
     family = get_family(src.config)
     model = build_model(src.config)
     layout = detect(model, src)
