@@ -3,7 +3,9 @@
 `resident_model` builds it from the *source* checkpoint with mlx-lm alone
 (load, cast, quantize_model with the recipe's predicate), so it checks the
 converter and the runtime at once: the streaming model's logits must equal it
-bit for bit. `resident_from_converted` loads every expert of a converted
+bit for bit. An MLX-quantized source is loaded by mlx-lm as stored; only the
+expert projections whose bits differ from the recipe are dequantized and
+quantized again. `resident_from_converted` loads every expert of a converted
 directory instead: the same weights, fully in memory (the speed reference).
 """
 
@@ -16,11 +18,20 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_config, quantize_model
 
 from .converter.pack import quant_predicate, source_dtype
-from .families import build_model, cast_floating, quantize_as_configured
+from .families import (
+    DTYPE_NAMES,
+    build_model,
+    cast_floating,
+    layer_index,
+    quantize_as_configured,
+    switch_modules,
+)
 from .formats import BlobReader, Recipe, load_manifest
 from .formats.manifest import inside
 from .runtime.loader import dense_weights, resolve_dtype
@@ -35,8 +46,12 @@ def resident_model(
     """mlx-lm model of `source`: cast to `dtype`, quantized by `recipe`, resident."""
     recipe = recipe or Recipe()
     model, _, config = mlx_load(str(source), lazy=True, return_config=True)
-    cast_floating(model, getattr(mx, dtype or source_dtype(config)))
-    model, _ = _quiet_quantize(model, config, recipe)
+    if isinstance(config.get("quantization"), dict):  # an MLX checkpoint
+        cast_floating(model, getattr(mx, dtype or _scales_dtype(model)))
+        _requantize_experts(model, recipe)
+    else:
+        cast_floating(model, getattr(mx, dtype or source_dtype(config)))
+        model, _ = _quiet_quantize(model, config, recipe)
     cast_floating(model, getattr(mx, compute_dtype))
     mx.eval(model.parameters())
     return model
@@ -62,6 +77,40 @@ def resident_from_converted(directory: str | Path, dtype: str = "auto") -> nn.Mo
     cast_floating(model, getattr(mx, resolve_dtype(dtype, manifest.dtype)))
     mx.eval(model.parameters())
     return model.eval()
+
+
+def _scales_dtype(model: nn.Module) -> str:
+    """The dtype an MLX checkpoint's affine scales are stored in."""
+    for k, v in tree_flatten(model.parameters()):
+        if k.endswith(".scales") and mx.issubdtype(v.dtype, mx.floating):
+            return DTYPE_NAMES[v.dtype]
+    return "float32"
+
+
+def _requantize_experts(model: nn.Module, recipe: Recipe) -> None:
+    """Quantize every expert projection as `recipe` says, from its stored values."""
+    for spath, switch in switch_modules(model).items():
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            m = switch[proj]
+            spec = recipe.expert_spec(proj, layer_index(spath)).to_mlx()
+            weight = m.weight
+            if isinstance(m, QuantizedSwitchLinear):
+                stored = {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
+                if stored == spec:
+                    continue
+                weight = mx.dequantize(
+                    m.weight,
+                    m.scales,
+                    m.get("biases"),
+                    group_size=m.group_size,
+                    bits=m.bits,
+                    mode=m.mode,
+                )
+            num_experts, out_dims, in_dims = weight.shape
+            linear = SwitchLinear(in_dims, out_dims, num_experts, bias="bias" in m)
+            linear.update({k: v for k, v in m.items() if k == "bias"})
+            linear.weight = weight
+            switch[proj] = linear.to_quantized(**spec)
 
 
 def _quiet_quantize(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import resource
+import sys
 
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -32,3 +34,9 @@ def human_bytes(n: int, up: bool = False) -> str:
             value = n / size
             return f"{math.ceil(value * 10) / 10 if up else value:.1f}{unit}"
     return f"{n}B"
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

@@ -1,15 +1,20 @@
 """Write a random Qwen3-MoE checkpoint in Hugging Face layout (for converter runs).
 
     python scripts/synthetic_hf.py OUT --layers 24 --experts 64 --hidden 1024 \\
-        --moe-intermediate 512
+        --moe-intermediate 512 [--layout per-expert|fused|fp8]
+
+`fused` stores experts as transformers >= 5 does (`experts.gate_up_proj`),
+`fp8` as Qwen3-FP8 does (float8_e4m3fn + 128x128 `weight_scale_inv`).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from moestream.synthetic import large_qwen3_moe
+from moestream.synthetic_sources import rewrite_shards
 
 
 def main() -> None:
@@ -21,9 +26,13 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--moe-intermediate", type=int, default=512)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument(
+        "--layout", choices=("per-expert", "fused", "fp8"), default="per-expert"
+    )
     a = p.parse_args()
+    hf = a.out if a.layout == "per-expert" else a.out.with_name(a.out.name + ".hf")
     large_qwen3_moe(
-        a.out,
+        hf,
         num_hidden_layers=a.layers,
         num_experts=a.experts,
         num_experts_per_tok=a.top_k,
@@ -35,6 +44,9 @@ def main() -> None:
         head_dim=64,
         vocab_size=a.vocab,
     )
+    if a.layout != "per-expert":
+        rewrite_shards(hf, a.out, a.layout)
+        shutil.rmtree(hf)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ from .pack import DTYPES, convert
     "--bits",
     default=None,
     help="Bits per expert projection, e.g. gate_proj=4,up_proj=4,down_proj=6; "
-    "a layer range as down_proj@0-3=8. Default: 4 for every projection.",
+    "a layer range as down_proj@0-3=8. Default: 4 for every projection; for an "
+    "MLX-quantized source, its own bits (kept without re-quantizing).",
 )
 @click.option(
     "--q-group-size",
-    default=64,
-    show_default=True,
+    default=None,
     type=int,
-    help="Quantization group size.",
+    help="Quantization group size. Default: 64; for an MLX-quantized source, its own.",
 )
 @click.option(
     "--dtype",
@@ -36,7 +36,7 @@ def main(
     source: str,
     out: str,
     bits: str | None,
-    q_group_size: int,
+    q_group_size: int | None,
     dtype: str | None,
     revision: str | None,
     force: bool,

@@ -1,7 +1,8 @@
 """Convert a checkpoint: re-quantize experts, write blobs, dense weights, manifest.
 
-One decoder layer at a time: read its tensors lazily, apply the family's
-mlx-lm `sanitize`, cast, quantize every module exactly as mlx-lm's
+One decoder layer at a time: read its tensors lazily, normalize the source's
+layout (fused experts, FP8 blocks, MLX-quantized: layouts.py), apply the
+family's mlx-lm `sanitize`, cast, quantize every module exactly as mlx-lm's
 `quantize_model` would with the recipe's predicate, then write the routed
 experts to the layer's blob and keep the rest for the dense safetensors.
 """
@@ -14,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -45,7 +47,8 @@ from ..formats import (
     write_blob,
 )
 from ..formats.manifest import PAGE_SIZE
-from ..units import human_bytes
+from ..units import human_bytes, peak_rss
+from .layouts import Layout, detect
 from .source import Source, SourceError, group_by_layer, open_source
 
 log = logging.getLogger(__name__)
@@ -63,16 +66,28 @@ class ConvertSummary:
     expert_bytes: int
     dense_bytes: int
     expert_bits_per_weight: float
+    source_layout: str = ""
+    # what happened to already-quantized source tensors (kept / re-quantized)
+    notes: tuple[str, ...] = ()
+    source_bytes: int = 0
+    seconds: float = 0.0
+    peak_rss: int = 0
 
     def lines(self) -> list[str]:
         lo, hi = (human_bytes(n) for n in self.record_bytes)
+        rate = self.source_bytes / 1e9 / max(self.seconds, 1e-9)
         return [
             f"Wrote {self.out}",
+            f"  source:          {self.source_layout}",
+            *(f"  {note}" for note in self.notes),
             f"  MoE layers:      {self.moe_layers} x {self.experts} experts",
             f"  expert record:   {lo if lo == hi else f'{lo}-{hi}'}",
             f"  experts total:   {human_bytes(self.expert_bytes)} "
             f"({self.expert_bits_per_weight:.2f} bits per weight)",
             f"  dense total:     {human_bytes(self.dense_bytes)}",
+            f"  read:            {human_bytes(self.source_bytes)} of source in "
+            f"{self.seconds:.1f} s ({rate:.2f} GB/s), peak RSS "
+            f"{human_bytes(self.peak_rss)}",
         ]
 
 
@@ -103,33 +118,51 @@ def convert(
     source: str,
     out: str | Path,
     bits: str | None = None,
-    q_group_size: int = 64,
+    q_group_size: int | None = None,
     dtype: str | None = None,
     revision: str | None = None,
     force: bool = False,
     progress: bool = True,
 ) -> ConvertSummary:
-    """Convert `source` (hub id or directory) into a moestream directory `out`."""
+    """Convert `source` (hub id or directory) into a moestream directory `out`.
+
+    `q_group_size` defaults to 64, or to the source's for an MLX-quantized
+    checkpoint, whose bits are also the default recipe (see layouts.py).
+    """
     out = Path(out)
-    recipe = Recipe.parse(bits, q_group_size)
+    Recipe.parse(bits, q_group_size or 64)  # a typo fails before any download
     _check_destination(out, force)
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"Unknown --dtype {dtype}; use one of {', '.join(DTYPES)}.")
     src = open_source(source, revision)
+    start = time.perf_counter()  # after any download: GB/s of reading the source
     family = get_family(src.config)
-    dtype = dtype or source_dtype(src.config)
     model = build_model(src.config)
+    layout = detect(model, src)
+    recipe = layout.recipe(bits, q_group_size)
+    dtype = dtype or layout.default_dtype() or source_dtype(src.config)
+    layout.dtype = getattr(mx, dtype)
     _check_recipe(recipe, model)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         (tmp / "experts").mkdir(parents=True)
-        summary = _convert_into(src, family, model, recipe, dtype, tmp, progress)
+        summary = _convert_into(
+            src, family, model, layout, recipe, dtype, tmp, progress
+        )
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return replace(summary, out=out)
+    for note in summary.notes:
+        log.info("%s", " ".join(note.split()))
+    return replace(
+        summary,
+        out=out,
+        source_bytes=sum(f.stat().st_size for f in set(src.files.values())),
+        seconds=time.perf_counter() - start,
+        peak_rss=peak_rss(),
+    )
 
 
 def _check_destination(out: Path, force: bool) -> None:
@@ -189,6 +222,7 @@ def _convert_into(
     src: Source,
     family: Family,
     model: nn.Module,
+    layout: Layout,
     recipe: Recipe,
     dtype: str,
     tmp: Path,
@@ -198,14 +232,18 @@ def _convert_into(
     units = [*layers.values(), rest]
     modules = dict(model.named_modules())
     switches = {p: layer_index(p) for p in switch_modules(model)}
-    _check_coverage(src, family, model, units)
-    predicate = _module_quantization(model, recipe)
+    _check_coverage(src, family, model, layout, units)
+    predicate = _module_quantization(model, recipe, layout.quantizes_dense())
     quantization: dict = recipe.dense.to_mlx()
     dense = _DenseWriter(tmp)
     entries = []
-    for names in tqdm(units, desc="layers", unit="layer", disable=not progress):
-        weights = _prepare(src, family, model, names, getattr(mx, dtype))
-        out = _quantize_unit(weights, modules, predicate, quantization)
+    for i, names in enumerate(
+        tqdm(units, desc="layers", unit="layer", disable=not progress)
+    ):
+        if i + 1 < len(units):
+            src.prefetch(units[i + 1])
+        weights = _prepare(src, family, model, layout, names, getattr(mx, dtype))
+        out = _quantize_unit(weights, modules, predicate, quantization, layout)
         del weights
         mx.eval(out)
         for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
@@ -227,36 +265,44 @@ def _convert_into(
     for f in src.tokenizer_files():
         shutil.copyfile(f, tmp / f.name)
     manifest.save(tmp)
-    return _summary(manifest, dense.nbytes, switches, model)
+    summary = _summary(manifest, dense.nbytes, switches, model)
+    return replace(
+        summary, source_layout=layout.describe(), notes=tuple(layout.notes())
+    )
 
 
 def _check_coverage(
-    src: Source, family: Family, model: nn.Module, units: list[list[str]]
+    src: Source,
+    family: Family,
+    model: nn.Module,
+    layout: Layout,
+    units: list[list[str]],
 ) -> None:
     """Before any heavy work: every parameter present with its configured shape."""
-    expected = dict(tree_flatten(model.parameters()))
-    seen = set()
+    peeked: dict[str, mx.array] = {}
     for names in units:
         try:
-            sanitized = family.sanitize(model, src.peek(names))
+            peeked.update(family.sanitize(model, layout.normalize(src.peek(names))))
         except KeyError as e:  # sanitize stacks per-expert tensors by name
             raise SourceError(
                 f"Checkpoint is missing tensor {e.args[0]}; download the complete "
                 "checkpoint."
             ) from None
-        for name, w in sanitized.items():
-            if name not in expected:
-                raise SourceError(
-                    f"Unexpected tensor {name} for {src.config['model_type']}; "
-                    "is config.json the one of this checkpoint?"
-                )
-            if tuple(w.shape) != tuple(expected[name].shape):
-                raise SourceError(
-                    f"Tensor {name} has shape {tuple(w.shape)} but config.json "
-                    f"implies {tuple(expected[name].shape)}; the checkpoint and its "
-                    "config do not match."
-                )
-            seen.add(name)
+    expected = layout.expected_shapes(peeked)
+    seen = set()
+    for name, w in peeked.items():
+        if name not in expected:
+            raise SourceError(
+                f"Unexpected tensor {name} for {src.config['model_type']}; "
+                "is config.json the one of this checkpoint?"
+            )
+        if tuple(w.shape) != expected[name]:
+            raise SourceError(
+                f"Tensor {name} has shape {tuple(w.shape)} but config.json "
+                f"implies {expected[name]}; the checkpoint and its "
+                "config do not match."
+            )
+        seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
         raise SourceError(
@@ -266,10 +312,15 @@ def _check_coverage(
 
 
 def _prepare(
-    src: Source, family: Family, model: nn.Module, names: list[str], dtype: mx.Dtype
+    src: Source,
+    family: Family,
+    model: nn.Module,
+    layout: Layout,
+    names: list[str],
+    dtype: mx.Dtype,
 ) -> dict[str, mx.array]:
     """One unit's tensors, sanitized to mlx-lm names and cast as mlx_lm.convert does."""
-    weights = family.sanitize(model, src.take(names))
+    weights = family.sanitize(model, layout.normalize(src.take(names)))
     cast = getattr(model, "cast_predicate", lambda _: True)
     return {
         k: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v
@@ -277,12 +328,20 @@ def _prepare(
     }
 
 
-def _module_quantization(model: nn.Module, recipe: Recipe) -> Callable:
-    """(path, module) -> mlx quantization dict or None, as `quantize_model` decides."""
+def _module_quantization(
+    model: nn.Module, recipe: Recipe, quantize_dense: bool = True
+) -> Callable:
+    """(path, module) -> mlx quantization dict or None, as `quantize_model` decides.
+
+    Without `quantize_dense` (an MLX-quantized source) only experts are quantized.
+    """
     predicate = quant_predicate(model, recipe)
+    experts = {f"{s}.{p}" for s, m in switch_modules(model).items() for p in m}
 
     def params(path: str, module: nn.Module) -> dict | None:
         if not hasattr(module, "to_quantized"):
+            return None
+        if not quantize_dense and path not in experts:
             return None
         if module.weight.shape[-1] % recipe.dense_group_size != 0:
             return None
@@ -299,6 +358,7 @@ def _quantize_unit(
     modules: dict[str, nn.Module],
     predicate: Callable,
     quantization: dict,
+    layout: Layout,
 ) -> dict[str, mx.array]:
     by_module: dict[str, dict[str, mx.array]] = defaultdict(dict)
     for key, w in weights.items():
@@ -308,6 +368,14 @@ def _quantize_unit(
     for mpath, params in sorted(by_module.items()):
         module = modules[mpath]
         q = predicate(mpath, module)
+        if "scales" in params:  # quantized in the source: kept, or dequantized
+            params, kept = layout.keep_or_dequantize(mpath, module, params, q)
+            if kept is not None:
+                base = {k: quantization[k] for k in kept}
+                if isinstance(q, dict) or kept != base:
+                    quantization[mpath] = kept
+                out.update({f"{mpath}.{k}": v for k, v in params.items()})
+                continue
         if q is None:
             out.update({f"{mpath}.{k}": v for k, v in params.items()})
             continue

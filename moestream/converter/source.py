@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import struct
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +50,7 @@ class Source:
     # tensor name -> safetensors file that holds it
     files: dict[str, Path] = field(default_factory=dict)
     _open: dict[Path, dict[str, mx.array]] = field(default_factory=dict)
+    _ranges: dict[Path, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
     def peek(self, names: list[str]) -> dict[str, mx.array]:
         """Lazy arrays for `names` without reading data (for shapes and names)."""
@@ -56,6 +59,38 @@ class Source:
     def take(self, names: list[str]) -> dict[str, mx.array]:
         """Lazy arrays for `names`, forgotten here so memory goes with the caller."""
         return {n: self._file(self.files[n]).pop(n) for n in names}
+
+    def prefetch(self, names: list[str]) -> None:
+        """Start reading `names` (the next layer) into the page cache, in the
+        background, so disk reads overlap the current layer's quantization."""
+        if not hasattr(os, "posix_fadvise"):  # macOS: no read-ahead hint
+            return
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for n in names:
+            by_file[self.files[n]].append(n)
+        for path, tensors in by_file.items():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                offsets = self._offsets(path, fd)
+                for start, end in (offsets[n] for n in tensors if n in offsets):
+                    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def _offsets(self, path: Path, fd: int) -> dict[str, tuple[int, int]]:
+        """Byte range of each tensor in a safetensors file, from its header."""
+        if path not in self._ranges:
+            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            try:
+                header = json.loads(os.pread(fd, n, 8))
+            except ValueError:  # mx.load reports a broken file when it is read
+                header = {}
+            self._ranges[path] = {
+                k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
+                for k, v in header.items()
+                if isinstance(v, dict) and "data_offsets" in v
+            }
+        return self._ranges[path]
 
     def _file(self, path: Path) -> dict[str, mx.array]:
         if path not in self._open:
@@ -98,6 +133,11 @@ def resolve(source: str, revision: str | None = None) -> tuple[Path, str | None]
 
 def open_source(source: str, revision: str | None = None) -> Source:
     path, revision = resolve(source, revision)
+    if (path / "manifest.json").is_file():
+        raise SourceError(
+            f"{path} is already a moestream model (it has manifest.json); run it "
+            "with run-moe, or convert the original checkpoint."
+        )
     config = _read_config(path)
     src = Source(
         path, config, None if path == Path(source).expanduser() else source, revision

@@ -103,15 +103,26 @@ class Recipe:
 
     @classmethod
     def parse(
-        cls, bits: str | None, group_size: int = 64, dense_bits: int = 4
+        cls,
+        bits: str | None,
+        group_size: int = 64,
+        dense_bits: int = 4,
+        base: Recipe | None = None,
     ) -> Recipe:
-        """Parse `gate_proj=4,up_proj=4,down_proj=6,down_proj@0-3=8`."""
-        base = cls(group_size=group_size, dense_bits=dense_bits)
-        if not bits:
-            return base
+        """Parse `gate_proj=4,up_proj=4,down_proj=6,down_proj@0-3=8`.
+
+        Entries override `base` (default: 4 bits everywhere); a plain `PROJ=BITS`
+        also replaces base's layer ranges for PROJ. The dense part is base's.
+        """
+        if base is None:
+            base = cls(
+                group_size=group_size,
+                dense_bits=dense_bits,
+                dense_group_size=group_size,
+            )
         experts = dict(base.experts)
-        overrides = []
-        for item in bits.split(","):
+        overrides = list(base.overrides)
+        for item in bits.split(",") if bits else []:
             m = re.fullmatch(r"\s*(\w+)(?:@(\d+)-(\d+))?\s*=\s*(\d+)\s*", item)
             if m is None:
                 raise RecipeError(
@@ -121,9 +132,16 @@ class Recipe:
             proj, first, last, b = m.groups()
             if first is None:
                 experts[proj] = int(b)
+                overrides = [o for o in overrides if o.projection != proj]
             else:
                 overrides.append(LayerOverride(proj, int(first), int(last), int(b)))
-        return cls(experts, group_size, tuple(overrides), dense_bits, group_size)
+        return cls(
+            experts,
+            group_size,
+            tuple(overrides),
+            base.dense_bits,
+            base.dense_group_size,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
