@@ -109,7 +109,8 @@ def write_synthetic(
     }
     predicate = _module_quantization(model, recipe)
     writer = _DenseWriter(tmp)
-    writer.add(_quantize_unit(dense, modules, predicate, quantization))
+    # No source layout: freshly initialised floats, never pre-quantized.
+    writer.add(_quantize_unit(dense, modules, predicate, quantization, None))
     rng = np.random.default_rng(seed)
     pool = rng.integers(0, 2**32, 1 << 24, dtype=np.uint32)  # 64 MB of random words
     layers = []
