@@ -190,12 +190,28 @@ class StreamingSwitchGLU(nn.Module):
             group = unique[start : start + self.capacity]
             lut = self._load(group, tokens=flat.size // k if start == 0 else 0)
             pairs = order[np.isin(flat[order], group)]
-            local = mx.array(lut[flat[pairs]])[:, None]
-            out = self._inner(xs[mx.array(pairs // k)], local)  # (n, 1, D)
+            pairs = pairs[np.argsort(lut[flat[pairs]], kind="stable")]
+            out = self._rows(xs[mx.array(pairs // k)], lut[flat[pairs]], flat.size)
             mx.eval(out)  # the next group overwrites these slots
             picked.append(pairs)
-            outs.append(out[:, 0])
+            outs.append(out)
         inverse = np.empty(flat.size, np.int64)
+        # (rows, D) per group, back in (token, k) order
         inverse[np.concatenate(picked)] = np.arange(flat.size)
         y = mx.concatenate(outs)[mx.array(inverse)]
         return y.reshape(*lead, k, y.shape[-1])
+
+    def _rows(self, x: mx.array, slots: np.ndarray, batch: int) -> mx.array:
+        """SwitchGLU on (n, D) rows sorted by slot, with the kernels mlx-lm picks
+        for the whole batch of `batch` (token, expert) pairs: GPU kernels for
+        sorted and unsorted indices round differently, so a group must use the
+        same kind as the resident model's single call."""
+        inner = self._inner
+        if batch < 64:  # mlx-lm's SwitchGLU sorts from 64 pairs up
+            return inner(x, mx.array(slots)[:, None])[:, 0]
+        idx = mx.array(slots)
+        x = mx.expand_dims(x, -2)  # (n, 1, D), as after mlx-lm's _gather_sort
+        up = inner.up_proj(x, idx, sorted_indices=True)
+        gate = inner.gate_proj(x, idx, sorted_indices=True)
+        y = inner.down_proj(inner.activation(up, gate), idx, sorted_indices=True)
+        return y[:, 0]
