@@ -32,13 +32,13 @@ def main() -> None:
     ref2 = logits(resident_from_converted(out), prompt)
     print(
         "resident vs resident:",
-        [mx.array_equal(a, b).item() for a, b in zip(ref, ref2)],
+        [mx.array_equal(a, b).item() for a, b in zip(ref, ref2, strict=True)],
     )
     for cap, prefetch in [(10**6, False), (10**6, True), (32, False), (32, True)]:
         model, _ = moestream.load(out, cache_experts=cap, prefetch=prefetch)
         ours = logits(model, prompt)
-        same = [mx.array_equal(a, b).item() for a, b in zip(ours, ref)]
-        diff = [mx.abs(a - b).max().item() for a, b in zip(ours, ref)]
+        same = [mx.array_equal(a, b).item() for a, b in zip(ours, ref, strict=True)]
+        diff = [mx.abs(a - b).max().item() for a, b in zip(ours, ref, strict=True)]
         print(f"cap {cap} prefetch {prefetch}: {same} max diff {diff}")
 
 

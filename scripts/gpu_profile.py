@@ -1,0 +1,51 @@
+"""Where decode time goes on a GPU: resident vs streaming at full and partial
+capacity, with and without prefetch (greedy, after a warm-up run).
+
+    python scripts/gpu_profile.py OUT
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+import moestream
+from moestream.reference import resident_from_converted
+
+
+def decode_tps(model, prompt, n=32):
+    start = 0.0
+    tokens = []
+    for i, (t, _) in enumerate(generate_step(prompt, model, max_tokens=n)):
+        if i == 0:
+            start = time.perf_counter()
+        tokens.append(int(t))
+    return (n - 1) / (time.perf_counter() - start), tokens
+
+
+def main() -> None:
+    out = sys.argv[1]
+    prompt = mx.array([(13 * i + 7) % 4000 for i in range(40)])
+    res = resident_from_converted(out)
+    decode_tps(res, prompt, 4)
+    base, ref_tokens = decode_tps(res, prompt)
+    print(f"resident: {base:.1f} tok/s")
+    del res
+    for cap, prefetch in [(10**6, False), (32, False), (32, True), (13, True)]:
+        model, _ = moestream.load(out, cache_experts=cap, prefetch=prefetch)
+        decode_tps(model, prompt, 4)
+        moestream.stats(model).reset()
+        tps, tokens = decode_tps(model, prompt)
+        s = moestream.stats(model)
+        print(
+            f"cap {cap} prefetch {prefetch}: {tps:.1f} tok/s ({tps / base:.3f}x), "
+            f"same tokens {tokens == ref_tokens}, hit {s.hit_rate:.3f}, "
+            f"misses/token {s.misses / 32:.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
