@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_OUT := build/stdlib-moe
 LINTED := moestream tests examples scripts
 
-.PHONY: install test test-all demo lint format clean
+.PHONY: install test test-all demo bench lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ demo: $(STAMP)
 	$(BIN)/run-moe $(DEMO_OUT) --prompt "def read_config(path):" \
 		--ignore-chat-template --max-tokens 120 --temp 0.7 --top-p 0.95 --seed 1 \
 		--cache-experts 4 --stats
+
+# The issue's comparison model (~1 GB), written once; then the table of ratios.
+BENCH_OUT := build/bench-small
+$(BENCH_OUT)/manifest.json: | $(STAMP)
+	$(BIN)/python scripts/synthetic_models.py small $(BENCH_OUT)
+
+bench: $(STAMP) $(BENCH_OUT)/manifest.json
+	$(BIN)/moestream bench $(BENCH_OUT)
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .ruff_cache

@@ -63,17 +63,21 @@ def bench(
     as_json: bool,
 ) -> None:
     """Decode and prefill speed, hit rates and memory vs mlx-lm resident."""
-    cfg = BenchConfig(
-        out=Path(out),
-        budgets=_floats(budgets),
-        modes=tuple(m.strip() for m in modes.split(",")),
-        decode_tokens=tokens,
-        prompt_tokens=prompt_tokens,
-        repeats=repeats,
-        prefill_repeats=prefill_repeats,
-        policy=policy,
-        prefetch=not no_prefetch,
-        verify_cost=not no_verify_cost,
-        reference=Path(reference) if reference else None,
-    )
-    user_errors(lambda: main(cfg, as_json))
+
+    def run() -> None:
+        cfg = BenchConfig(
+            out=Path(out),
+            budgets=_floats(budgets),
+            modes=tuple(m.strip() for m in modes.split(",")),
+            decode_tokens=tokens,
+            prompt_tokens=prompt_tokens,
+            repeats=repeats,
+            prefill_repeats=prefill_repeats,
+            policy=policy,
+            prefetch=not no_prefetch,
+            verify_cost=not no_verify_cost,
+            reference=Path(reference) if reference else None,
+        )
+        main(cfg, as_json)
+
+    user_errors(run)

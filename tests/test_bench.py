@@ -1,0 +1,141 @@
+"""The benchmark's parts: synthetic scale models, trace replays, the harness."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx_lm import load as mlx_load
+
+import moestream
+from moestream.bench.harness import capacity_for
+from moestream.bench.models import Scale, export_mlx, write_synthetic
+from moestream.bench.replay import belady_hits, policy_hits, replay_all
+from moestream.cli import main as moestream_cli
+from moestream.families import cast_floating
+from moestream.reference import resident_from_converted
+from moestream.runtime.loader import budget_for
+
+TINY = Scale(3, 8, 2, 128, 64, heads=4, kv_heads=2, head_dim=32, vocab=512)
+PROMPT = mx.array([[5, 9, 200, 31, 7, 77, 400, 3, 12, 8]])
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "tiny"
+    write_synthetic(out, TINY)
+    return out
+
+
+def test_synthetic_model_streams_exactly_and_exports_to_mlx_lm(synthetic, tmp_path):
+    resident = resident_from_converted(synthetic)
+    expected = resident(PROMPT)
+    assert not mx.isnan(expected).any().item() and expected.abs().max().item() > 0
+    model, _ = moestream.load(synthetic, cache_experts=3)
+    assert mx.array_equal(model(PROMPT), expected).item()
+    exported, _ = mlx_load(str(export_mlx(synthetic, tmp_path / "mlx")))
+    cast_floating(exported, mx.float32)
+    assert mx.array_equal(exported(PROMPT), expected).item()
+
+
+def test_budget_for_gives_the_asked_capacity(synthetic):
+    budget = budget_for(synthetic, 5, context=64)
+    model, _ = moestream.load(
+        synthetic, memory_budget=budget, cache_experts=5, context=64
+    )
+    plan = moestream.runtime_of(model).plan
+    assert plan.capacity == 5 and plan.total <= plan.budget == budget
+    with pytest.raises(ValueError, match="more than --memory-budget"):
+        moestream.load(
+            synthetic, memory_budget=plan.total - 1, cache_experts=5, context=64
+        )
+
+
+def brute_force_optimum(trace: np.ndarray, capacity: int) -> int:
+    """Most hits any eviction choice achieves (tiny traces only)."""
+    steps = [frozenset(r.tolist()) for r in trace]
+    best = {frozenset(): 0}
+    for wanted in steps:
+        nxt: dict[frozenset, int] = {}
+        for cache, hits in best.items():
+            h = hits + len(wanted & cache)
+            union = cache | wanted
+            others = sorted(union - wanted)
+            keep = capacity - len(wanted)
+            for kept in itertools.combinations(others, min(keep, len(others))):
+                state = frozenset(kept) | wanted
+                nxt[state] = max(nxt.get(state, -1), h)
+        best = nxt
+    return max(best.values())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_belady_is_optimal_and_bounds_every_policy(seed):
+    rng = np.random.default_rng(seed)
+    trace = rng.integers(0, 6, (12, 2))
+    trace[:, 1] = (trace[:, 0] + 1 + rng.integers(0, 5, 12)) % 6  # distinct pairs
+    optimum = brute_force_optimum(trace, 3)
+    assert belady_hits(trace, 3) == optimum
+    for policy in ("lru", "lrfu", "lfuda"):
+        assert policy_hits(trace, 3, policy, 6) <= optimum
+
+
+def test_replay_of_a_repeating_trace():
+    # A cycle of 3 experts through 2 slots: LRU never hits, Belady hits half.
+    trace = np.array([[0], [1], [2]] * 6)
+    rates = replay_all({0: trace}, 2, "lru")
+    assert rates["lru"] == 0.0
+    assert rates["belady"] == pytest.approx(8 / 18)
+
+
+def test_capacity_for_budget_rows():
+    assert capacity_for(25, 64, 8) == 16
+    assert capacity_for(10, 64, 8) == 8  # never below top-k
+    assert capacity_for(100, 64, 8) == 64
+
+
+def test_bench_cli_prints_ratio_table(synthetic):
+    r = CliRunner().invoke(
+        moestream_cli,
+        [
+            "bench",
+            str(synthetic),
+            "--budgets",
+            "50",
+            "--tokens",
+            "3",
+            "--prompt-tokens",
+            "0",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout[r.stdout.index("{") :])
+    rows = {(x["row"], x["mode"]): x for x in result["rows"]}
+    assert set(rows) == {
+        ("resident", "-"),
+        ("50 %", "warm"),
+        ("50 %", "cold"),
+        ("25 % no-verify", "cold"),
+    }
+    for row in rows.values():
+        assert row["tokens_match"]  # exact output in every run
+        assert row["decode_tps"] > 0
+    cold = rows[("50 %", "cold")]
+    assert cold["capacity"] == 4 and cold["peak_over_budget"] > 0
+    assert cold["belady"] >= cold["policy"] - 1e-9 and cold["belady"] >= cold["lru"]
+    assert result["disk_gbps"]["qd1"] > 0
+
+
+def test_bench_refuses_bad_budgets(synthetic):
+    r = CliRunner().invoke(moestream_cli, ["bench", str(synthetic), "--budgets", "x"])
+    assert r.exit_code != 0 and "100,25,12.5" in r.output
+    r = CliRunner().invoke(moestream_cli, ["bench", str(synthetic), "--budgets", "0"])
+    assert r.exit_code == 2 and "percentages" in r.output
