@@ -40,6 +40,12 @@ def _floats(text: str) -> tuple[float, ...]:
     "--policy", type=click.Choice(sorted(POLICIES)), default="lrfu", show_default=True
 )
 @click.option("--no-prefetch", is_flag=True)
+@click.option(
+    "--prefetch-extra",
+    default=2,
+    show_default=True,
+    help="Experts predicted beyond the router's top-k.",
+)
 @click.option("--no-verify-cost", is_flag=True, help="Skip the no-checksum row.")
 @click.option(
     "--reference",
@@ -58,6 +64,7 @@ def bench(
     prefill_repeats: int,
     policy: str,
     no_prefetch: bool,
+    prefetch_extra: int,
     no_verify_cost: bool,
     reference: str | None,
     as_json: bool,
@@ -75,6 +82,7 @@ def bench(
             prefill_repeats=prefill_repeats,
             policy=policy,
             prefetch=not no_prefetch,
+            prefetch_extra=prefetch_extra,
             verify_cost=not no_verify_cost,
             reference=Path(reference) if reference else None,
         )

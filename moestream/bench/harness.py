@@ -37,6 +37,7 @@ class BenchConfig:
     prefill_repeats: int = 1
     policy: str = "lrfu"
     prefetch: bool = True
+    prefetch_extra: int = 2
     verify_cost: bool = True  # one extra row: 25 % cold without checksums
     reference: Path | None = None  # mlx-lm directory of the same weights
 
@@ -83,6 +84,7 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
         decode_tokens=cfg.decode_tokens,
         policy=cfg.policy,
         prefetch=cfg.prefetch,
+        prefetch_extra=cfg.prefetch_extra,
         reference=str(cfg.reference) if cfg.reference else None,
     )
     rows = [Row("resident", None, "-", base)]

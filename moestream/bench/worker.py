@@ -43,6 +43,7 @@ class Job:
     decode_tokens: int = 32
     policy: str = "lrfu"
     prefetch: bool = True
+    prefetch_extra: int = 2
     verify: bool = True
     reference: str | None = None  # an mlx-lm directory of the same weights
     # Sampled, seeded decode: the same tokens in every run (the output is exact),
@@ -52,7 +53,8 @@ class Job:
 
 
 def prompt_ids(tokenizer: object, n: int) -> list[int]:
-    ids = tokenizer.encode(PROMPT_SOURCE.read_text())  # type: ignore[attr-defined]
+    text = PROMPT_SOURCE.read_text()[: 8 * n + 64]  # ~4 characters per token
+    ids = tokenizer.encode(text)  # type: ignore[attr-defined]
     return (ids * (n // max(len(ids), 1) + 1))[:n]
 
 
@@ -73,6 +75,7 @@ def run(job: Job) -> dict:
             memory_budget=budget,
             policy=job.policy,
             prefetch=job.prefetch,
+            prefetch_extra=job.prefetch_extra,
             verify=job.verify,
             context=context,
             record_trace=True,

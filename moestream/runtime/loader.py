@@ -167,7 +167,7 @@ def load(
         )
         replace_module(model, spath, streaming[spath])
     if cfg.prefetch:
-        _chain_prefetch(model, streaming, model_config)
+        _chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
     mx.eval(model.parameters())
     model.eval()
     model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
@@ -175,11 +175,14 @@ def load(
 
 
 def _chain_prefetch(
-    model: nn.Module, streaming: dict[str, StreamingSwitchGLU], config: dict
+    model: nn.Module,
+    streaming: dict[str, StreamingSwitchGLU],
+    config: dict,
+    extra: int,
 ) -> None:
     """Give each MoE layer the next one's router, to predict its experts early."""
     ordered = sorted(streaming.items(), key=lambda kv: layer_index(kv[0]))
-    k = int(config.get("num_experts_per_tok", 1))
+    k = int(config.get("num_experts_per_tok", 1)) + extra
     for (_, layer), (path, nxt) in itertools.pairwise(ordered):
         predict = router_predictor(module_at(model, path.rpartition(".")[0]), k)
         if predict is not None:
@@ -198,7 +201,8 @@ def router_predictor(block: nn.Module, k: int) -> Callable | None:
         out = gate(x)
         if isinstance(out, tuple):  # gates that route themselves: (inds, scores)
             return out[0]
-        return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
+        n = min(k, out.shape[-1])
+        return mx.argpartition(-out, kth=n - 1, axis=-1)[..., :n]
 
     return predict
 
