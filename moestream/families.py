@@ -1,15 +1,17 @@
 """Model families: a thin registry over mlx-lm's model code.
 
 mlx-lm implements each family; moestream only needs to know where a family's
-checkpoint keeps a layer's tensors and how to find its routed experts (every
-mlx-lm MoE block calls a `SwitchGLU`, found by type, not by name).
-Adding a family is one `Family` entry here plus a test model in tests/.
+checkpoint keeps a layer's tensors and what mlx-lm's `sanitize` must see to
+convert hub names when it is given one layer at a time (every mlx-lm MoE block
+calls a `SwitchGLU`, found by type, not by name). Adding a family is one
+`Family` entry here, a hub-layout builder in synthetic.py and a test case in
+tests/test_families.py.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -37,16 +39,42 @@ class Family:
     model_type: str
     # Source tensor names of decoder layer N start with this (group 1 = N).
     layer_pattern: str = r"^model\.layers\.(\d+)\."
+    # Source tensors mlx-lm's sanitize looks for before it converts hub names
+    # (only layer 0's experts, any MoE layer, a conv weight): the first layer's
+    # matches are lent to every layer's sanitize and what they become is dropped.
+    probe: str | None = None
 
     def layer_of(self, name: str) -> int | None:
         m = re.match(self.layer_pattern, name)
         return int(m.group(1)) if m else None
 
+    def probe_names(self, names: Iterable[str]) -> list[str]:
+        """The source tensors to lend to every layer's sanitize (maybe none)."""
+        if self.probe is None:
+            return []
+        hits = {n: self.layer_of(n) for n in names if re.search(self.probe, n)}
+        first = min((i for i in hits.values() if i is not None), default=None)
+        return sorted(n for n, i in hits.items() if i == first)
+
     def sanitize(
-        self, model: nn.Module, weights: dict[str, mx.array]
+        self,
+        model: nn.Module,
+        weights: dict[str, mx.array],
+        lent: dict[str, mx.array] | None = None,
     ) -> dict[str, mx.array]:
-        """mlx-lm's own renames and expert stacking, on one layer's tensors."""
-        return model.sanitize(weights) if hasattr(model, "sanitize") else weights
+        """mlx-lm's own renames and expert stacking, on one layer's tensors.
+
+        `lent`: the probe tensors (lazy, never evaluated), so that sanitize
+        takes the same path as on the whole checkpoint.
+        """
+        if not hasattr(model, "sanitize"):
+            return weights
+        extra = {k: v for k, v in (lent or {}).items() if k not in weights}
+        out = model.sanitize({**weights, **extra})
+        if extra:
+            borrowed = model.sanitize(dict(extra))
+            out = {k: v for k, v in out.items() if k not in borrowed}
+        return out
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in [Family("qwen3_moe")]}

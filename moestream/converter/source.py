@@ -60,6 +60,16 @@ class Source:
         """Lazy arrays for `names`, forgotten here so memory goes with the caller."""
         return {n: self._file(self.files[n]).pop(n) for n in names}
 
+    def lend(self, names: list[str]) -> dict[str, mx.array]:
+        """Lazy arrays for `names` from a fresh open: never the objects `take`
+        hands out, so holding them never keeps evaluated data alive."""
+        opened: dict[Path, dict[str, mx.array]] = {}
+        for n in names:
+            path = self.files[n]
+            if path not in opened:
+                opened[path] = mx.load(str(path))
+        return {n: opened[self.files[n]][n] for n in names}
+
     def prefetch(self, names: list[str]) -> None:
         """Start reading `names` (the next layer) into the page cache, in the
         background, so disk reads overlap the current layer's quantization."""
