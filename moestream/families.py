@@ -77,7 +77,26 @@ class Family:
         return out
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in [Family("qwen3_moe")]}
+# One entry per mlx-lm model_type; `probe` only where its sanitize needs one.
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in [
+        Family("qwen3_moe"),
+        Family("qwen2_moe", probe=r"\.mlp\.experts\."),
+        Family("qwen3_next", probe=r"\.mlp\.experts\."),
+        Family(
+            "qwen3_5_moe",
+            layer_pattern=r"^model\.language_model\.layers\.(\d+)\.",
+            probe=r"\.linear_attn\.conv1d\.weight$",
+        ),
+        Family("mixtral", probe=r"\.block_sparse_moe\.experts\."),
+        Family("olmoe", probe=r"\.mlp\.experts\."),
+        Family("deepseek_v2"),
+        Family("deepseek_v3"),
+        Family("glm4_moe"),
+        Family("gpt_oss"),
+    ]
+}
 
 
 def get_family(config: dict) -> Family:

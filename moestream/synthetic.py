@@ -8,6 +8,7 @@ download would give it. Large ones are written one layer per shard.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -197,3 +198,561 @@ def large_qwen3_moe(path: Path, seed: int = 0, **overrides: object) -> Path:
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
     )
     return path
+
+
+# ---------------------------------------------------------------- other families
+# Tiny random checkpoints with the hub's tensor names and config keys of each
+# family mlx-lm runs (names as in the hub's model.safetensors.index.json).
+
+_COMMON = {
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+MIXTRAL = {
+    **_COMMON,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_act": "silu",
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+}
+
+QWEN2_MOE = {
+    **_COMMON,
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "intermediate_size": 192,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": False,
+    "use_sliding_window": False,
+    "rope_theta": 1000000.0,
+}
+
+OLMOE = {
+    **_COMMON,
+    "architectures": ["OlmoeForCausalLM"],
+    "model_type": "olmoe",
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": False,
+    "attention_bias": False,
+    "clip_qkv": None,
+    "rope_theta": 10000.0,
+}
+
+_DEEPSEEK = {
+    **_COMMON,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 163840,  # 40 x 4096, as the yarn scaling says
+    "intermediate_size": 192,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 1.0,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+}
+
+DEEPSEEK_V2 = {
+    **_DEEPSEEK,
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "num_experts_per_tok": 3,  # top-2 of the best 2 groups of 2 never differs
+    "topk_method": "group_limited_greedy",
+    "scoring_func": "softmax",
+    "norm_topk_prob": False,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+    },
+}
+
+DEEPSEEK_V3 = {
+    **_DEEPSEEK,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "n_shared_experts": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "num_nextn_predict_layers": 1,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+}
+
+GLM4_MOE = {
+    **_COMMON,
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "head_dim": 32,
+    "intermediate_size": 192,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "use_qk_norm": True,
+    "attention_bias": True,
+}
+
+GPT_OSS = {
+    **_COMMON,
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "head_dim": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "experts_per_token": 2,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 32,
+    "swiglu_limit": 7.0,
+    "max_position_embeddings": 131072,  # 32 x 4096, as the yarn scaling says
+    "attention_bias": True,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "quantization_config": {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    },
+}
+
+_LINEAR_ATTENTION = {
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_value_head_dim": 32,
+    "head_dim": 32,
+    "num_hidden_layers": 4,
+    "intermediate_size": 192,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "attention_bias": False,
+}
+
+QWEN3_NEXT = {
+    **_COMMON,
+    **_LINEAR_ATTENTION,
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "mlp_only_layers": [0],
+    "partial_rotary_factor": 0.25,
+    "rope_theta": 10000000,
+}
+
+QWEN3_5_MOE = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "image_token_id": 310,
+    "video_token_id": 311,
+    "tie_word_embeddings": False,
+    "text_config": {
+        **_COMMON,
+        **_LINEAR_ATTENTION,
+        "model_type": "qwen3_5_moe_text",
+        "dtype": "bfloat16",
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [2, 1, 1],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+    },
+    "vision_config": {"depth": 1, "hidden_size": 64, "model_type": "qwen3_5_moe"},
+}
+
+
+def _lm(c: dict, prefix: str = "model") -> dict[str, tuple[int, ...]]:
+    h, v = c["hidden_size"], c["vocab_size"]
+    shapes = {f"{prefix}.embed_tokens.weight": (v, h), f"{prefix}.norm.weight": (h,)}
+    if not c.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def _norms(p: str, h: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{p}.input_layernorm.weight": (h,),
+        f"{p}.post_attention_layernorm.weight": (h,),
+    }
+
+
+def _attention(
+    p: str, c: dict, bias: bool = False, o_bias: bool = False, q_factor: int = 1
+) -> dict[str, tuple[int, ...]]:
+    h, nh, nkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or h // nh
+    a = f"{p}.self_attn"
+    shapes = {
+        f"{a}.q_proj.weight": (nh * hd * q_factor, h),
+        f"{a}.k_proj.weight": (nkv * hd, h),
+        f"{a}.v_proj.weight": (nkv * hd, h),
+        f"{a}.o_proj.weight": (h, nh * hd),
+    }
+    if bias:
+        shapes.update(
+            {
+                f"{a}.q_proj.bias": (nh * hd,),
+                f"{a}.k_proj.bias": (nkv * hd,),
+                f"{a}.v_proj.bias": (nkv * hd,),
+            }
+        )
+    if o_bias:
+        shapes[f"{a}.o_proj.bias"] = (h,)
+    return shapes
+
+
+def _mlp(p: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{p}.gate_proj.weight": (i, h),
+        f"{p}.up_proj.weight": (i, h),
+        f"{p}.down_proj.weight": (h, i),
+    }
+
+
+def _experts(
+    p: str,
+    e: int,
+    h: int,
+    i: int,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> dict[str, tuple[int, ...]]:
+    gate, up, down = names
+    shapes = {}
+    for x in range(e):
+        shapes[f"{p}.experts.{x}.{gate}.weight"] = (i, h)
+        shapes[f"{p}.experts.{x}.{up}.weight"] = (i, h)
+        shapes[f"{p}.experts.{x}.{down}.weight"] = (h, i)
+    return shapes
+
+
+def mixtral_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    h, e, i = c["hidden_size"], c["num_local_experts"], c["intermediate_size"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c)
+        shapes[f"{p}.block_sparse_moe.gate.weight"] = (e, h)
+        shapes |= _experts(f"{p}.block_sparse_moe", e, h, i, ("w1", "w3", "w2"))
+    return shapes
+
+
+def qwen2_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    h, e = c["hidden_size"], c["num_experts"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c, bias=True)
+        shapes[f"{p}.mlp.gate.weight"] = (e, h)
+        shapes |= _experts(f"{p}.mlp", e, h, c["moe_intermediate_size"])
+        shapes |= _mlp(
+            f"{p}.mlp.shared_expert", h, c["shared_expert_intermediate_size"]
+        )
+        shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+def olmoe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    h, e, nh = c["hidden_size"], c["num_experts"], c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * h // nh
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c)
+        shapes[f"{p}.self_attn.q_norm.weight"] = (h,)
+        shapes[f"{p}.self_attn.k_norm.weight"] = (kv,)
+        shapes[f"{p}.mlp.gate.weight"] = (e, h)
+        shapes |= _experts(f"{p}.mlp", e, h, c["intermediate_size"])
+    return shapes
+
+
+def deepseek_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V2/V3: latent attention, shared experts, dense first layers."""
+    h, e, nh = c["hidden_size"], c["n_routed_experts"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    kvr, qr = c["kv_lora_rank"], c["q_lora_rank"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        a = f"{p}.self_attn"
+        shapes |= _norms(p, h)
+        if qr:
+            shapes[f"{a}.q_a_proj.weight"] = (qr, h)
+            shapes[f"{a}.q_a_layernorm.weight"] = (qr,)
+            shapes[f"{a}.q_b_proj.weight"] = (nh * qk, qr)
+        else:
+            shapes[f"{a}.q_proj.weight"] = (nh * qk, h)
+        shapes[f"{a}.kv_a_proj_with_mqa.weight"] = (kvr + c["qk_rope_head_dim"], h)
+        shapes[f"{a}.kv_a_layernorm.weight"] = (kvr,)
+        shapes[f"{a}.kv_b_proj.weight"] = (
+            nh * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+            kvr,
+        )
+        shapes[f"{a}.o_proj.weight"] = (h, nh * c["v_head_dim"])
+        if layer < c["first_k_dense_replace"] or layer % c["moe_layer_freq"]:
+            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
+            continue
+        i = c["moe_intermediate_size"]
+        shapes[f"{p}.mlp.gate.weight"] = (e, h)
+        if c["topk_method"] == "noaux_tc":
+            shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (e,)
+        shapes |= _experts(f"{p}.mlp", e, h, i)
+        shapes |= _mlp(f"{p}.mlp.shared_experts", h, i * c["n_shared_experts"])
+    return shapes
+
+
+def glm4_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """GLM-4.5: dense first layers, shared experts, and a multi-token-prediction
+    layer after the last one (mlx-lm drops it)."""
+    h, e, hd, v = (
+        c["hidden_size"],
+        c["n_routed_experts"],
+        c["head_dim"],
+        c["vocab_size"],
+    )
+    n = c["num_hidden_layers"]
+    shapes = _lm(c)
+    for layer in range(n + c["num_nextn_predict_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c, bias=True)
+        shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
+        shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
+        if layer < c["first_k_dense_replace"]:
+            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
+            continue
+        i = c["moe_intermediate_size"]
+        shapes[f"{p}.mlp.gate.weight"] = (e, h)
+        shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (e,)
+        shapes |= _experts(f"{p}.mlp", e, h, i)
+        shapes |= _mlp(f"{p}.mlp.shared_experts", h, i * c["n_shared_experts"])
+        if layer >= n:
+            shapes[f"{p}.eh_proj.weight"] = (h, 2 * h)
+            shapes[f"{p}.enorm.weight"] = (h,)
+            shapes[f"{p}.hnorm.weight"] = (h,)
+            shapes[f"{p}.embed_tokens.weight"] = (v, h)
+            shapes[f"{p}.shared_head.head.weight"] = (v, h)
+            shapes[f"{p}.shared_head.norm.weight"] = (h,)
+    return shapes
+
+
+def gpt_oss_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """The float tensors of GPT-OSS; the MXFP4 experts come from `mxfp4_experts`."""
+    h, e, nh = c["hidden_size"], c["num_local_experts"], c["num_attention_heads"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c, bias=True, o_bias=True)
+        shapes[f"{p}.self_attn.sinks"] = (nh,)
+        shapes[f"{p}.mlp.router.weight"] = (e, h)
+        shapes[f"{p}.mlp.router.bias"] = (e,)
+        shapes[f"{p}.mlp.experts.gate_up_proj_bias"] = (e, 2 * c["intermediate_size"])
+        shapes[f"{p}.mlp.experts.down_proj_bias"] = (e, h)
+    return shapes
+
+
+def mxfp4_experts(c: dict, seed: int) -> dict[str, mx.array]:
+    """GPT-OSS experts as the hub ships them: MXFP4 `*_blocks` (two FP4 codes per
+    byte, 32 per block) and `*_scales` (one power-of-two exponent per block)."""
+    h, e, i = c["hidden_size"], c["num_local_experts"], c["intermediate_size"]
+    out = {}
+    key = mx.random.key(seed + 1)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts"
+        for name, (rows, cols) in (("gate_up_proj", (2 * i, h)), ("down_proj", (h, i))):
+            key, kb, ks = mx.random.split(key, 3)
+            blocks = mx.random.randint(0, 256, (e, rows, cols // 32, 16), key=kb)
+            # 2^-5 .. 2^-2: with FP4 codes up to 6 some gates pass the clamp at 7
+            scales = mx.random.randint(122, 126, (e, rows, cols // 32), key=ks)
+            out[f"{p}.{name}_blocks"] = blocks.astype(mx.uint8)
+            out[f"{p}.{name}_scales"] = scales.astype(mx.uint8)
+    mx.eval(out)
+    return out
+
+
+def _linear_attention(p: str, c: dict, fused: bool) -> dict[str, tuple[int, ...]]:
+    h, nk, nv = c["hidden_size"], c["linear_num_key_heads"], c["linear_num_value_heads"]
+    kd, vd = nk * c["linear_key_head_dim"], nv * c["linear_value_head_dim"]
+    a = f"{p}.linear_attn"
+    shapes = {
+        f"{a}.conv1d.weight": (2 * kd + vd, 1, c["linear_conv_kernel_dim"]),
+        f"{a}.dt_bias": (nv,),
+        f"{a}.A_log": (nv,),
+        f"{a}.norm.weight": (c["linear_value_head_dim"],),
+        f"{a}.out_proj.weight": (h, vd),
+    }
+    if fused:  # Qwen3-Next
+        shapes[f"{a}.in_proj_qkvz.weight"] = (2 * kd + 2 * vd, h)
+        shapes[f"{a}.in_proj_ba.weight"] = (2 * nv, h)
+    else:  # Qwen3.5
+        shapes[f"{a}.in_proj_qkv.weight"] = (2 * kd + vd, h)
+        shapes[f"{a}.in_proj_z.weight"] = (vd, h)
+        shapes[f"{a}.in_proj_b.weight"] = (nv, h)
+        shapes[f"{a}.in_proj_a.weight"] = (nv, h)
+    return shapes
+
+
+def _hybrid_layers(c: dict, prefix: str, fused: bool) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next / Qwen3.5 decoder layers: linear attention except every
+    `full_attention_interval`-th layer, MoE with a sigmoid-gated shared expert."""
+    h, e, i = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
+    shapes = {}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"{prefix}.layers.{layer}"
+        shapes |= _norms(p, h)
+        if (layer + 1) % c["full_attention_interval"]:
+            shapes |= _linear_attention(p, c, fused)
+        else:
+            shapes |= _attention(p, c, q_factor=2)
+            shapes[f"{p}.self_attn.q_norm.weight"] = (c["head_dim"],)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (c["head_dim"],)
+        if layer in c.get("mlp_only_layers", []):
+            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
+            continue
+        shapes[f"{p}.mlp.gate.weight"] = (e, h)
+        if fused:
+            shapes |= _experts(f"{p}.mlp", e, h, i)
+        else:  # Qwen3.5 ships every layer's experts as two 3-D tensors
+            shapes[f"{p}.mlp.experts.gate_up_proj"] = (e, 2 * i, h)
+            shapes[f"{p}.mlp.experts.down_proj"] = (e, h, i)
+        shapes |= _mlp(
+            f"{p}.mlp.shared_expert", h, c["shared_expert_intermediate_size"]
+        )
+        shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, h)
+    # multi-token prediction head: on the hub, dropped by mlx-lm
+    shapes["mtp.fc.weight"] = (h, 2 * h)
+    shapes["mtp.norm.weight"] = (h,)
+    shapes["mtp.pre_fc_norm_embedding.weight"] = (h,)
+    shapes["mtp.pre_fc_norm_hidden.weight"] = (h,)
+    return shapes
+
+
+def qwen3_next_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    return _lm(c) | _hybrid_layers(c, "model", fused=True)
+
+
+def qwen3_5_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5 MoE, a vision-language checkpoint: the text model sits under
+    `model.language_model.`, the vision tower (dropped by mlx-lm) under
+    `model.visual.`."""
+    t = {**c["text_config"], "tie_word_embeddings": c["tie_word_embeddings"]}
+    shapes = _lm(t, "model.language_model")
+    shapes |= _hybrid_layers(t, "model.language_model", fused=False)
+    vh = c["vision_config"]["hidden_size"]
+    shapes["model.visual.patch_embed.proj.weight"] = (vh, 3, 2, 16, 16)
+    shapes["model.visual.blocks.0.attn.qkv.weight"] = (3 * vh, vh)
+    shapes["model.visual.merger.linear_fc2.weight"] = (t["hidden_size"], vh)
+    return shapes
+
+
+HUB_LAYOUTS: dict[str, tuple[dict, Callable[[dict], dict[str, tuple[int, ...]]]]] = {
+    "qwen3_moe": (QWEN3_MOE, qwen3_moe_tensors),
+    "qwen2_moe": (QWEN2_MOE, qwen2_moe_tensors),
+    "qwen3_next": (QWEN3_NEXT, qwen3_next_tensors),
+    "qwen3_5_moe": (QWEN3_5_MOE, qwen3_5_moe_tensors),
+    "mixtral": (MIXTRAL, mixtral_tensors),
+    "olmoe": (OLMOE, olmoe_tensors),
+    "deepseek_v2": (DEEPSEEK_V2, deepseek_tensors),
+    "deepseek_v3": (DEEPSEEK_V3, deepseek_tensors),
+    "glm4_moe": (GLM4_MOE, glm4_moe_tensors),
+    "gpt_oss": (GPT_OSS, gpt_oss_tensors),
+}
+# Kept in float32 on the hub whatever the checkpoint's dtype.
+FLOAT32_TENSORS = ("e_score_correction_bias",)
+# Small, as trained ones are, so the tokens still decide the routing.
+SCORE_CORRECTION_SCALE = 0.05
+
+
+def tiny_model(
+    path: Path,
+    model_type: str,
+    dtype: mx.Dtype = mx.bfloat16,
+    seed: int = 0,
+    shards: int = 2,
+    **overrides: object,
+) -> Path:
+    """A tiny random checkpoint of `model_type` in its hub layout."""
+    base, tensors = HUB_LAYOUTS[model_type]
+    config = {**base, **overrides}
+    weights = random_weights(tensors(config), dtype, seed)
+    for name in weights:
+        if name.endswith(FLOAT32_TENSORS):
+            weights[name] = SCORE_CORRECTION_SCALE * weights[name].astype(mx.float32)
+    if model_type == "gpt_oss":
+        weights |= mxfp4_experts(config, seed)
+    return write_hf_model(path, config, weights, shards)

@@ -312,6 +312,8 @@ def plan_memory(
     budget: int | None,
     cache_experts: int | None,
 ) -> MemoryPlan:
+    # Vision-language checkpoints (qwen3_5_moe) keep the text model's sizes apart.
+    config = {**config, **config.get("text_config", {})}
     num_experts = max(layer.num_experts for layer in manifest.layers)
     top_k = int(config.get("num_experts_per_tok", 1))
     slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)

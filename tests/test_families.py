@@ -1,0 +1,249 @@
+"""Every family mlx-lm runs: hub layout in, logits bit-identical to mlx-lm out.
+
+Each case is a tiny random checkpoint with the hub's tensor names and config
+keys (moestream.synthetic), converted with mixed bits where the family allows,
+and compared with mlx-lm's fully resident model in prefill and decode at a
+cache below top-k (every call runs in groups) and a mid-sized one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from test_exactness import PROMPT, logits_stepwise
+
+import moestream
+from moestream.converter import SourceError, convert
+from moestream.families import FAMILIES, module_at
+from moestream.formats import BlobReader, Recipe, load_manifest
+from moestream.reference import resident_model
+from moestream.synthetic import HUB_LAYOUTS, tiny_model
+
+BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
+# below top-k (2): every call runs in groups; mid: 5 of 8 experts resident
+CACHE_SIZES = [1, 5]
+DECODE_STEPS = 6
+
+
+@dataclass
+class Case:
+    family: str
+    src: Path
+    out: Path
+    reference: object
+    logits: list[mx.array]
+
+
+@pytest.fixture(scope="module", params=sorted(set(HUB_LAYOUTS) - {"qwen3_moe"}))
+def case(request, tmp_path_factory) -> Case:
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    src = tiny_model(root / "hf", family, seed=3)
+    bits = None if family == "gpt_oss" else BITS  # MXFP4 experts are kept as shipped
+    convert(str(src), root / "out", bits=bits, progress=False)
+    ref = resident_model(src, Recipe.parse(bits))
+    return Case(
+        family, src, root / "out", ref, logits_stepwise(ref, PROMPT, DECODE_STEPS)
+    )
+
+
+def test_every_family_is_registered_and_built():
+    assert set(FAMILIES) == set(HUB_LAYOUTS)
+
+
+@pytest.mark.parametrize("cache_experts", CACHE_SIZES)
+def test_logits_bit_identical(case: Case, cache_experts: int):
+    model, _ = moestream.load(case.out, cache_experts=cache_experts)
+    ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
+    for step, (a, b) in enumerate(zip(ours, case.logits, strict=True)):
+        assert mx.array_equal(a, b).item(), f"{case.family}: step {step} differs"
+    s = moestream.stats(model)
+    assert s.misses > 0 and s.evictions > 0
+    if cache_experts == 1:
+        assert s.grouped_calls > 0
+
+
+def test_memory_budget_load(case: Case):
+    """The budget planner reads each family's config (text_config included)."""
+    model, _ = moestream.load(case.out, memory_budget="4G")
+    plan = moestream.runtime_of(model).plan
+    assert plan.capacity == 8 and plan.total <= plan.budget
+    prefill = logits_stepwise(model, PROMPT, 0)[0]
+    assert mx.array_equal(prefill, case.logits[0]).item()
+
+
+def test_distinctive_parts(case: Case):
+    """What sets the family apart is present and really used."""
+    CHECKS[case.family](case, load_manifest(case.out))
+
+
+def _moe_layers(manifest) -> list[int]:
+    return [layer.layer for layer in manifest.layers]
+
+
+def _nonzero(model, path: str) -> None:
+    params = tree_flatten(module_at(model, path).parameters())
+    assert params, f"{path} has no parameters"
+    for name, p in params:
+        if mx.issubdtype(p.dtype, mx.floating):
+            assert mx.any(p != 0).item(), f"{path}.{name} is all zeros"
+
+
+def _check_shared_expert(case: Case, manifest) -> None:
+    """Qwen2-MoE / Qwen3-Next / Qwen3.5: a shared expert behind a sigmoid gate."""
+    for layer in manifest.layers:
+        block = layer.module.rpartition(".")[0]
+        _nonzero(case.reference, f"{block}.shared_expert")
+        _nonzero(case.reference, f"{block}.shared_expert_gate")
+    _changes_logits(case, "shared_expert", _zero_weights)
+
+
+def _check_deepseek(case: Case, manifest) -> None:
+    """Dense first layer, shared experts, group-limited routing."""
+    assert _moe_layers(manifest) == [1, 2, 3]
+    assert not hasattr(case.reference.model.layers[0].mlp, "switch_mlp")
+    assert (case.reference.args.n_group, case.reference.args.topk_group) == (4, 2)
+    for i in (1, 2, 3):
+        _nonzero(case.reference, f"model.layers.{i}.mlp.shared_experts")
+    _changes_logits(case, "shared_experts", _zero_weights)
+    _changes_logits(case, "gate", _ungroup)
+    if case.family == "deepseek_v3":
+        _check_score_correction(case)
+
+
+def _check_score_correction(case: Case) -> None:
+    """The router's bias stays float32 (mlx-lm never casts it) and matters."""
+    model, _ = moestream.load(case.out, cache_experts=2)
+    for layer in model.model.layers[1:]:
+        bias = layer.mlp.gate.e_score_correction_bias
+        assert bias.dtype == mx.float32 and mx.any(bias != 0).item()
+    _changes_logits(case, "gate", _zero_score_correction)
+
+
+def _check_glm4_moe(case: Case, manifest) -> None:
+    """Dense first layer, shared experts, and the hub's MTP layer dropped."""
+    assert any(n.startswith("model.layers.3.") for n in _source_names(case))
+    assert _moe_layers(manifest) == [1, 2]
+    for i in (1, 2):
+        _nonzero(case.reference, f"model.layers.{i}.mlp.shared_experts")
+    _changes_logits(case, "shared_experts", _zero_weights)
+    _check_score_correction(case)
+
+
+def _source_names(case: Case) -> list[str]:
+    index = json.loads((case.src / "model.safetensors.index.json").read_text())
+    return list(index["weight_map"])
+
+
+def _check_gpt_oss(case: Case, manifest) -> None:
+    """MXFP4 experts kept bit for bit, expert biases, the clamped SwiGLU."""
+    for layer in manifest.layers:
+        for seg in layer.segments:
+            _, _, kind = seg.name.rpartition(".")
+            if kind in ("weight", "scales"):
+                assert (seg.mode, seg.bits, seg.group_size) == ("mxfp4", 4, 32)
+            else:
+                assert kind == "bias", seg.name
+    _check_blocks_kept(case, manifest.layers[1])
+    model, _ = moestream.load(case.out, cache_experts=2)
+    inner = model.model.layers[0].mlp.experts._inner
+    assert inner.down_proj.mode == "mxfp4" and inner.down_proj.scales.dtype == mx.uint8
+    for i in range(len(manifest.layers)):
+        _nonzero(case.reference, f"model.layers.{i}.mlp.experts")  # expert biases
+    _changes_logits(case, "experts", _unclamp)
+
+
+def _check_blocks_kept(case: Case, layer) -> None:
+    """The blob holds the hub's MXFP4 bytes, de-interleaved as mlx-lm does."""
+    src = mx.load(str(next(case.src.glob("*.safetensors"))))
+    src |= mx.load(str(sorted(case.src.glob("*.safetensors"))[-1]))
+    prefix = f"model.layers.{layer.layer}.mlp.experts"
+    blocks = np.array(src[f"{prefix}.gate_up_proj_blocks"])
+    scales = np.array(src[f"{prefix}.gate_up_proj_scales"])
+    with BlobReader(case.out / layer.file, layer) as blob:
+        for e in (0, layer.num_experts - 1):
+            record = blob.record(e)
+            up = blob.segment(record, layer.segment("up_proj.weight"))
+            assert up.tobytes() == blocks[e, 1::2].tobytes()
+            gate_scales = blob.segment(record, layer.segment("gate_proj.scales"))
+            assert np.array_equal(gate_scales, scales[e, ::2])
+
+
+def _check_hybrid(case: Case, manifest) -> None:
+    """Linear-attention layers with their own caches beside full attention; the
+    hub's multi-token-prediction head (and vision tower) dropped."""
+    names = _source_names(case)
+    assert any(n.startswith("mtp.") for n in names)
+    caches = make_prompt_cache(case.reference)
+    assert [isinstance(c, ArraysCache) for c in caches] == [True, True, True, False]
+    if case.family == "qwen3_next":
+        assert _moe_layers(manifest) == [1, 2, 3]  # mlp_only_layers: [0]
+    else:  # the text model of a vision-language checkpoint
+        assert (
+            manifest.layers[0].module == "language_model.model.layers.0.mlp.switch_mlp"
+        )
+        assert _moe_layers(manifest) == [0, 1, 2, 3]
+        assert any(n.startswith("model.visual.") for n in names)
+    _check_shared_expert(case, manifest)
+
+
+def _check_plain(case: Case, manifest) -> None:
+    """Mixtral / OLMoE: every layer routed, no shared expert."""
+    assert _moe_layers(manifest) == [0, 1, 2]
+
+
+CHECKS = {
+    "mixtral": _check_plain,
+    "olmoe": _check_plain,
+    "qwen2_moe": _check_shared_expert,
+    "qwen3_next": _check_hybrid,
+    "qwen3_5_moe": _check_hybrid,
+    "deepseek_v2": _check_deepseek,
+    "deepseek_v3": _check_deepseek,
+    "glm4_moe": _check_glm4_moe,
+    "gpt_oss": _check_gpt_oss,
+}
+
+
+def _zero_weights(module) -> None:
+    module.update(tree_map(mx.zeros_like, module.parameters()))
+
+
+def _unclamp(module) -> None:
+    module.activation._limit = float("inf")
+
+
+def _ungroup(module) -> None:
+    """Route over all experts instead of the best groups only."""
+    if hasattr(module, "topk_method"):  # deepseek_v2
+        module.topk_method = "greedy"
+    module.n_group = 1
+
+
+def _zero_score_correction(module) -> None:
+    module.e_score_correction_bias = mx.zeros_like(module.e_score_correction_bias)
+
+
+def _changes_logits(case: Case, name: str, change) -> None:
+    """Altering every module called `name` changes the reference's logits:
+    the test input really goes through that part."""
+    ref = resident_model(
+        case.src, Recipe.parse(None if case.family == "gpt_oss" else BITS)
+    )
+    for path, module in ref.named_modules():
+        if path.endswith(f".{name}"):
+            change(module)
+    assert not mx.array_equal(ref(PROMPT), case.logits[0]).item()
+
+
+def test_gpt_oss_refuses_bits_for_mxfp4_experts(tmp_path):
+    src = tiny_model(tmp_path / "hf", "gpt_oss")
+    with pytest.raises(SourceError, match=r"ship as MXFP4 .*kept.*drop --bits"):
+        convert(str(src), tmp_path / "out", bits="down_proj=6", progress=False)
