@@ -543,7 +543,10 @@ def olmoe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
 
 
 def deepseek_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    """DeepSeek-V2/V3: latent attention, shared experts, dense first layers."""
+    """DeepSeek-V2/V3: latent attention, shared experts, dense first layers.
+
+    No MTP layer: mlx-lm drops `model.layers.61` by that number, which only a
+    full-size DeepSeek-V3 has."""
     h, e, nh = c["hidden_size"], c["n_routed_experts"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     kvr, qr = c["kv_lora_rank"], c["q_lora_rank"]
@@ -605,7 +608,6 @@ def glm4_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.eh_proj.weight"] = (h, 2 * h)
             shapes[f"{p}.enorm.weight"] = (h,)
             shapes[f"{p}.hnorm.weight"] = (h,)
-            shapes[f"{p}.embed_tokens.weight"] = (v, h)
             shapes[f"{p}.shared_head.head.weight"] = (v, h)
             shapes[f"{p}.shared_head.norm.weight"] = (h,)
     return shapes

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
@@ -21,7 +22,13 @@ from test_exactness import PROMPT, logits_stepwise
 
 import moestream
 from moestream.converter import SourceError, convert
-from moestream.families import FAMILIES, module_at
+from moestream.families import (
+    FAMILIES,
+    module_at,
+    replace_module,
+    route_experts,
+    switch_modules,
+)
 from moestream.formats import BlobReader, Recipe, load_manifest
 from moestream.reference import resident_model
 from moestream.synthetic import HUB_LAYOUTS, tiny_model
@@ -46,12 +53,17 @@ def case(request, tmp_path_factory) -> Case:
     family = request.param
     root = tmp_path_factory.mktemp(family)
     src = tiny_model(root / "hf", family, seed=3)
-    bits = None if family == "gpt_oss" else BITS  # MXFP4 experts are kept as shipped
+    bits = _bits(family)
     convert(str(src), root / "out", bits=bits, progress=False)
     ref = resident_model(src, Recipe.parse(bits))
     return Case(
         family, src, root / "out", ref, logits_stepwise(ref, PROMPT, DECODE_STEPS)
     )
+
+
+def _bits(case: Case | str) -> str | None:
+    family = case if isinstance(case, str) else case.family
+    return None if family == "gpt_oss" else BITS  # MXFP4 experts are kept as shipped
 
 
 def test_every_family_is_registered_and_built():
@@ -70,6 +82,21 @@ def test_logits_bit_identical(case: Case, cache_experts: int):
         assert s.grouped_calls > 0
 
 
+def test_segments_carry_the_recipe(case: Case):
+    """Mixed bits per projection and layer; gpt_oss experts stay MXFP4."""
+    recipe = Recipe.parse(BITS)
+    for layer in load_manifest(case.out).layers:
+        for seg in layer.segments:
+            proj, _, kind = seg.name.rpartition(".")
+            if kind not in ("weight", "scales", "biases"):
+                assert case.family == "gpt_oss" and kind == "bias"
+            elif case.family == "gpt_oss":
+                assert (seg.mode, seg.bits, seg.group_size) == ("mxfp4", 4, 32)
+            else:
+                spec = recipe.expert_spec(proj, layer.layer)
+                assert (seg.mode, seg.bits) == ("affine", spec.bits), seg.name
+
+
 def test_memory_budget_load(case: Case):
     """The budget planner reads each family's config (text_config included)."""
     model, _ = moestream.load(case.out, memory_budget="4G")
@@ -77,6 +104,35 @@ def test_memory_budget_load(case: Case):
     assert plan.capacity == 8 and plan.total <= plan.budget
     prefill = logits_stepwise(model, PROMPT, 0)[0]
     assert mx.array_equal(prefill, case.logits[0]).item()
+
+
+class _Recorder(nn.Module):
+    """A SwitchGLU that notes what its block gave it."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self._inner, self._calls = inner, []
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        self._calls.append((x, indices))
+        return self._inner(x, indices)
+
+
+def test_route_experts_matches_the_blocks_choice(case: Case):
+    """The router found by `route_experts` picks the experts the block picks."""
+    ref = resident_model(case.src, Recipe.parse(_bits(case)))
+    recorders = {}
+    for path, module in switch_modules(ref).items():
+        recorders[path] = _Recorder(module)
+        replace_module(ref, path, recorders[path])
+    mx.eval(ref(PROMPT))
+    config = json.loads((case.src / "config.json").read_text())
+    top_k = config.get("text_config", config)["num_experts_per_tok"]
+    for path, rec in recorders.items():
+        block = module_at(ref, path.rpartition(".")[0])
+        (x, inds), *_ = rec._calls
+        ours = route_experts(block, x, top_k)
+        assert np.array_equal(np.sort(ours, -1), np.sort(inds, -1)), path
 
 
 def test_distinctive_parts(case: Case):
@@ -144,13 +200,8 @@ def _source_names(case: Case) -> list[str]:
 
 def _check_gpt_oss(case: Case, manifest) -> None:
     """MXFP4 experts kept bit for bit, expert biases, the clamped SwiGLU."""
-    for layer in manifest.layers:
-        for seg in layer.segments:
-            _, _, kind = seg.name.rpartition(".")
-            if kind in ("weight", "scales"):
-                assert (seg.mode, seg.bits, seg.group_size) == ("mxfp4", 4, 32)
-            else:
-                assert kind == "bias", seg.name
+    names = {s.name for s in manifest.layers[0].segments}
+    assert {"gate_proj.bias", "up_proj.bias", "down_proj.bias"} <= names
     _check_blocks_kept(case, manifest.layers[1])
     model, _ = moestream.load(case.out, cache_experts=2)
     inner = model.model.layers[0].mlp.experts._inner
@@ -234,9 +285,7 @@ def _zero_score_correction(module) -> None:
 def _changes_logits(case: Case, name: str, change) -> None:
     """Altering every module called `name` changes the reference's logits:
     the test input really goes through that part."""
-    ref = resident_model(
-        case.src, Recipe.parse(None if case.family == "gpt_oss" else BITS)
-    )
+    ref = resident_model(case.src, Recipe.parse(_bits(case)))
     for path, module in ref.named_modules():
         if path.endswith(f".{name}"):
             change(module)
