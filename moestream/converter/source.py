@@ -35,6 +35,8 @@ TOKENIZER_FILES = [
 TOKENIZER_GLOBS = ["*.tiktoken"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+# gpt-oss repos keep a second copy of the weights, in another layout, here.
+HUB_IGNORE = ["original/*"]
 
 
 class SourceError(ValueError):
@@ -134,7 +136,10 @@ def resolve(source: str, revision: str | None = None) -> tuple[Path, str | None]
     log.info("downloading %s (revision %s)", source, revision or "default")
     try:
         local = snapshot_download(
-            source, revision=revision, allow_patterns=HUB_PATTERNS
+            source,
+            revision=revision,
+            allow_patterns=HUB_PATTERNS,
+            ignore_patterns=HUB_IGNORE,
         )
     except Exception as e:  # hub errors are many and specific; keep their text
         raise SourceError(f"Cannot download {source}: {e}") from e
