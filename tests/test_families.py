@@ -82,6 +82,17 @@ def test_logits_bit_identical(case: Case, cache_experts: int):
         assert s.grouped_calls > 0
 
 
+@pytest.mark.slow  # MLX's CPU kernels run bfloat16 slowly: ~20 s for all families
+def test_bfloat16_compute_bit_identical(case: Case):
+    """The stored dtype, as on a GPU: biases, scales and norms stay exact too."""
+    model, _ = moestream.load(case.out, cache_experts=2, dtype="bfloat16")
+    ref = resident_model(case.src, Recipe.parse(_bits(case)), compute_dtype="bfloat16")
+    ours, theirs = logits_stepwise(model, PROMPT, 3), logits_stepwise(ref, PROMPT, 3)
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert a.dtype == mx.bfloat16
+        assert mx.array_equal(a, b).item(), f"{case.family}: step {step} differs"
+
+
 def test_segments_carry_the_recipe(case: Case):
     """Mixed bits per projection and layer; gpt_oss experts stay MXFP4."""
     recipe = Recipe.parse(BITS)
