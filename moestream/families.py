@@ -160,20 +160,6 @@ def switch_modules(model: nn.Module) -> dict[str, SwitchGLU]:
     return {p: m for p, m in model.named_modules() if isinstance(m, SwitchGLU)}
 
 
-def route_experts(block: nn.Module, x: mx.array, top_k: int) -> mx.array:
-    """The experts the MoE `block` (a SwitchGLU's parent) picks for each row of
-    `x`, by its own router, without running any expert (for prefetching).
-
-    Same set as the block's own `inds`, in any order: deepseek and glm4 gates
-    return them; other routers give logits, whose top-k a softmax keeps.
-    """
-    router = block["router"] if "router" in block else block["gate"]  # gpt_oss
-    out = router(x)
-    if isinstance(out, tuple):
-        return out[0]
-    return mx.argpartition(-out, kth=top_k - 1, axis=-1)[..., :top_k]
-
-
 def module_at(root: nn.Module, path: str) -> nn.Module:
     node = root
     for part in path.split("."):

@@ -24,13 +24,14 @@ import moestream
 from moestream.converter import SourceError, convert
 from moestream.families import (
     FAMILIES,
+    layer_index,
     module_at,
     replace_module,
-    route_experts,
     switch_modules,
 )
 from moestream.formats import BlobReader, Recipe, load_manifest
 from moestream.reference import resident_model
+from moestream.runtime.loader import router_predictor
 from moestream.synthetic import HUB_LAYOUTS, tiny_model
 
 BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
@@ -78,6 +79,7 @@ def test_logits_bit_identical(case: Case, cache_experts: int):
         assert mx.array_equal(a, b).item(), f"{case.family}: step {step} differs"
     s = moestream.stats(model)
     assert s.misses > 0 and s.evictions > 0
+    assert s.prefetched > 0  # the next layer's router was found and used
     if cache_experts == 1:
         assert s.grouped_calls > 0
 
@@ -129,8 +131,8 @@ class _Recorder(nn.Module):
         return self._inner(x, indices)
 
 
-def test_route_experts_matches_the_blocks_choice(case: Case):
-    """The router found by `route_experts` picks the experts the block picks."""
+def test_prefetch_router_matches_the_blocks_choice(case: Case):
+    """The router prefetch finds in each block picks the experts the block picks."""
     ref = resident_model(case.src, Recipe.parse(_bits(case)))
     recorders = {}
     for path, module in switch_modules(ref).items():
@@ -142,8 +144,13 @@ def test_route_experts_matches_the_blocks_choice(case: Case):
     for path, rec in recorders.items():
         block = module_at(ref, path.rpartition(".")[0])
         (x, inds), *_ = rec._calls
-        ours = route_experts(block, x, top_k)
+        ours = router_predictor(block, top_k)(x)
         assert np.array_equal(np.sort(ours, -1), np.sort(inds, -1)), path
+    # and the streaming model chains it with the family's top-k
+    model, _ = moestream.load(case.out, cache_experts=2)
+    path = min(recorders, key=layer_index)
+    x, _ = recorders[path]._calls[0]
+    assert module_at(model, path)._predict(x).shape[-1] == top_k
 
 
 def test_distinctive_parts(case: Case):

@@ -179,7 +179,7 @@ def _chain_prefetch(
 ) -> None:
     """Give each MoE layer the next one's router, to predict its experts early."""
     ordered = sorted(streaming.items(), key=lambda kv: layer_index(kv[0]))
-    k = int(config.get("num_experts_per_tok", 1))
+    k = int(_text_config(config).get("num_experts_per_tok", 1))
     for (_, layer), (path, nxt) in itertools.pairwise(ordered):
         predict = router_predictor(module_at(model, path.rpartition(".")[0]), k)
         if predict is not None:
@@ -228,6 +228,11 @@ def budget_for(path: str | Path, capacity: int, context: int = 4096) -> int:
     )
     unreserved = plan.total - plan.reserve + RESERVE_BYTES
     return math.ceil(1.01 * unreserved / (1 - RESERVE_FRACTION))
+
+
+def _text_config(config: dict) -> dict:
+    """Vision-language checkpoints (qwen3_5_moe) keep the text model's sizes apart."""
+    return {**config, **config.get("text_config", {})}
 
 
 def _bound_allocators(plan: MemoryPlan) -> None:
@@ -312,8 +317,7 @@ def plan_memory(
     budget: int | None,
     cache_experts: int | None,
 ) -> MemoryPlan:
-    # Vision-language checkpoints (qwen3_5_moe) keep the text model's sizes apart.
-    config = {**config, **config.get("text_config", {})}
+    config = _text_config(config)
     num_experts = max(layer.num_experts for layer in manifest.layers)
     top_k = int(config.get("num_experts_per_tok", 1))
     slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
