@@ -38,6 +38,9 @@ BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
 # below top-k (2): every call runs in groups; mid: 5 of 8 experts resident
 CACHE_SIZES = [1, 5]
 DECODE_STEPS = 6
+# The oracle's compute dtype, named so the tests mean the same on a GPU ("auto"
+# would be the stored bfloat16 there).
+F32 = "float32"
 
 
 @dataclass
@@ -73,7 +76,7 @@ def test_every_family_is_registered_and_built():
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
 def test_logits_bit_identical(case: Case, cache_experts: int):
-    model, _ = moestream.load(case.out, cache_experts=cache_experts)
+    model, _ = moestream.load(case.out, cache_experts=cache_experts, dtype=F32)
     ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
     for step, (a, b) in enumerate(zip(ours, case.logits, strict=True)):
         assert mx.array_equal(a, b).item(), f"{case.family}: step {step} differs"
@@ -112,7 +115,7 @@ def test_segments_carry_the_recipe(case: Case):
 
 def test_memory_budget_load(case: Case):
     """The budget planner reads each family's config (text_config included)."""
-    model, _ = moestream.load(case.out, memory_budget="4G")
+    model, _ = moestream.load(case.out, memory_budget="4G", dtype=F32)
     plan = moestream.runtime_of(model).plan
     assert plan.capacity == 8 and plan.total <= plan.budget
     prefill = logits_stepwise(model, PROMPT, 0)[0]
@@ -147,7 +150,7 @@ def test_prefetch_router_matches_the_blocks_choice(case: Case):
         ours = router_predictor(block, top_k)(x)
         assert np.array_equal(np.sort(ours, -1), np.sort(inds, -1)), path
     # and the streaming model chains it with the family's top-k
-    model, _ = moestream.load(case.out, cache_experts=2)
+    model, _ = moestream.load(case.out, cache_experts=2, dtype=F32)
     path = min(recorders, key=layer_index)
     x, _ = recorders[path]._calls[0]
     assert module_at(model, path)._predict(x).shape[-1] == top_k
@@ -194,7 +197,7 @@ def _check_deepseek(case: Case, manifest) -> None:
 
 def _check_score_correction(case: Case) -> None:
     """The router's bias stays float32 (mlx-lm never casts it) and matters."""
-    model, _ = moestream.load(case.out, cache_experts=2)
+    model, _ = moestream.load(case.out, cache_experts=2, dtype=F32)
     for layer in model.model.layers[1:]:
         bias = layer.mlp.gate.e_score_correction_bias
         assert bias.dtype == mx.float32 and mx.any(bias != 0).item()
@@ -221,7 +224,7 @@ def _check_gpt_oss(case: Case, manifest) -> None:
     names = {s.name for s in manifest.layers[0].segments}
     assert {"gate_proj.bias", "up_proj.bias", "down_proj.bias"} <= names
     _check_blocks_kept(case, manifest.layers[1])
-    model, _ = moestream.load(case.out, cache_experts=2)
+    model, _ = moestream.load(case.out, cache_experts=2, dtype=F32)
     inner = model.model.layers[0].mlp.experts._inner
     assert inner.down_proj.mode == "mxfp4" and inner.down_proj.scales.dtype == mx.uint8
     for i in range(len(manifest.layers)):
