@@ -93,7 +93,11 @@ FAMILIES: dict[str, Family] = {
         Family("olmoe", probe=r"\.mlp\.experts\."),
         Family("deepseek_v2"),
         Family("deepseek_v3"),
+        Family("kimi_k2"),  # mlx-lm's deepseek_v3
         Family("glm4_moe"),
+        Family("glm4_moe_lite"),
+        Family("dots1"),
+        Family("minimax_m2", probe=r"\.block_sparse_moe\.experts\."),
         Family("gpt_oss"),
     ]
 }

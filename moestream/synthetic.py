@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -326,6 +327,71 @@ DEEPSEEK_V3 = {
     },
 }
 
+# The hub's yarn `rope_scaling` trips transformers' generic config (it has no
+# kimi_k2 class) when the tokenizer loads; routing is what this case is about.
+KIMI_K2 = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"},
+    "model_type": "kimi_k2",  # mlx-lm runs it as deepseek_v3
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+}
+
+GLM4_MOE_LITE = {
+    **_DEEPSEEK,
+    "architectures": ["Glm4MoeLiteForCausalLM"],
+    "model_type": "glm4_moe_lite",
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.8,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 1.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 512,
+}
+
+DOTS1 = {
+    **_COMMON,
+    "architectures": ["Dots1ForCausalLM"],
+    "model_type": "dots1",
+    "head_dim": 32,
+    "intermediate_size": 192,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "noaux_tc",
+    "n_group": 1,
+    "topk_group": 1,
+    "rope_theta": 10000000,
+}
+
+MINIMAX_M2 = {
+    **_COMMON,
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "model_type": "minimax_m2",  # mlx-lm runs it as minimax
+    "head_dim": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "shared_intermediate_size": 0,
+    "rotary_dim": 16,
+    "rope_theta": 5000000,
+    "scoring_func": "sigmoid",
+    "use_qk_norm": True,
+    "qk_norm_type": "per_layer",
+    "use_routing_bias": True,
+}
+
 GLM4_MOE = {
     **_COMMON,
     "architectures": ["Glm4MoeForCausalLM"],
@@ -542,54 +608,73 @@ def olmoe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def deepseek_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    """DeepSeek-V2/V3: latent attention, shared experts, dense first layers.
+def _routed_mlp(p: str, c: dict, experts: str = "experts") -> dict[str, tuple]:
+    """DeepSeek-style MoE MLP: a gate (with score-correction bias for noaux_tc
+    routing), routed experts and shared experts."""
+    h, e, i = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"]
+    shapes = {f"{p}.mlp.gate.weight": (e, h)}
+    if c.get("topk_method", "noaux_tc") == "noaux_tc":
+        shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (e,)
+    shapes |= _experts(f"{p}.mlp", e, h, i)
+    shapes |= _mlp(f"{p}.mlp.shared_experts", h, i * c["n_shared_experts"])
+    return shapes
 
-    No MTP layer: mlx-lm drops `model.layers.61` by that number, which only a
-    full-size DeepSeek-V3 has."""
-    h, e, nh = c["hidden_size"], c["n_routed_experts"], c["num_attention_heads"]
+
+def _mtp_layer(p: str, c: dict) -> dict[str, tuple[int, ...]]:
+    """What a multi-token-prediction layer has beside a decoder layer's tensors."""
+    h, v = c["hidden_size"], c["vocab_size"]
+    return {
+        f"{p}.eh_proj.weight": (h, 2 * h),
+        f"{p}.enorm.weight": (h,),
+        f"{p}.hnorm.weight": (h,),
+        f"{p}.shared_head.head.weight": (v, h),
+        f"{p}.shared_head.norm.weight": (h,),
+    }
+
+
+def _latent_attention(p: str, c: dict) -> dict[str, tuple[int, ...]]:
+    """DeepSeek's multi-head latent attention."""
+    h, nh = c["hidden_size"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     kvr, qr = c["kv_lora_rank"], c["q_lora_rank"]
+    a = f"{p}.self_attn"
+    shapes = {
+        f"{a}.kv_a_proj_with_mqa.weight": (kvr + c["qk_rope_head_dim"], h),
+        f"{a}.kv_a_layernorm.weight": (kvr,),
+        f"{a}.kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), kvr),
+        f"{a}.o_proj.weight": (h, nh * c["v_head_dim"]),
+    }
+    if qr:
+        shapes[f"{a}.q_a_proj.weight"] = (qr, h)
+        shapes[f"{a}.q_a_layernorm.weight"] = (qr,)
+        shapes[f"{a}.q_b_proj.weight"] = (nh * qk, qr)
+    else:
+        shapes[f"{a}.q_proj.weight"] = (nh * qk, h)
+    return shapes
+
+
+def deepseek_tensors(c: dict, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash: latent attention, shared experts,
+    dense first layers; `mtp`: the hub's multi-token-prediction layer after the
+    last (GLM's; mlx-lm drops DeepSeek-V3's by its number, 61, only)."""
+    n = c["num_hidden_layers"]
     shapes = _lm(c)
-    for layer in range(c["num_hidden_layers"]):
+    for layer in range(n + (c["num_nextn_predict_layers"] if mtp else 0)):
         p = f"model.layers.{layer}"
-        a = f"{p}.self_attn"
-        shapes |= _norms(p, h)
-        if qr:
-            shapes[f"{a}.q_a_proj.weight"] = (qr, h)
-            shapes[f"{a}.q_a_layernorm.weight"] = (qr,)
-            shapes[f"{a}.q_b_proj.weight"] = (nh * qk, qr)
-        else:
-            shapes[f"{a}.q_proj.weight"] = (nh * qk, h)
-        shapes[f"{a}.kv_a_proj_with_mqa.weight"] = (kvr + c["qk_rope_head_dim"], h)
-        shapes[f"{a}.kv_a_layernorm.weight"] = (kvr,)
-        shapes[f"{a}.kv_b_proj.weight"] = (
-            nh * (c["qk_nope_head_dim"] + c["v_head_dim"]),
-            kvr,
-        )
-        shapes[f"{a}.o_proj.weight"] = (h, nh * c["v_head_dim"])
+        shapes |= _norms(p, c["hidden_size"]) | _latent_attention(p, c)
         if layer < c["first_k_dense_replace"] or layer % c["moe_layer_freq"]:
-            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
-            continue
-        i = c["moe_intermediate_size"]
-        shapes[f"{p}.mlp.gate.weight"] = (e, h)
-        if c["topk_method"] == "noaux_tc":
-            shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (e,)
-        shapes |= _experts(f"{p}.mlp", e, h, i)
-        shapes |= _mlp(f"{p}.mlp.shared_experts", h, i * c["n_shared_experts"])
+            shapes |= _mlp(f"{p}.mlp", c["hidden_size"], c["intermediate_size"])
+        else:
+            shapes |= _routed_mlp(p, c)
+        if layer >= n:
+            shapes |= _mtp_layer(p, c)
     return shapes
 
 
 def glm4_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """GLM-4.5: dense first layers, shared experts, and a multi-token-prediction
     layer after the last one (mlx-lm drops it)."""
-    h, e, hd, v = (
-        c["hidden_size"],
-        c["n_routed_experts"],
-        c["head_dim"],
-        c["vocab_size"],
-    )
-    n = c["num_hidden_layers"]
+    h, hd, n = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
     shapes = _lm(c)
     for layer in range(n + c["num_nextn_predict_layers"]):
         p = f"model.layers.{layer}"
@@ -598,18 +683,44 @@ def glm4_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
         if layer < c["first_k_dense_replace"]:
             shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
-            continue
-        i = c["moe_intermediate_size"]
-        shapes[f"{p}.mlp.gate.weight"] = (e, h)
-        shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (e,)
-        shapes |= _experts(f"{p}.mlp", e, h, i)
-        shapes |= _mlp(f"{p}.mlp.shared_experts", h, i * c["n_shared_experts"])
+        else:
+            shapes |= _routed_mlp(p, c)
         if layer >= n:
-            shapes[f"{p}.eh_proj.weight"] = (h, 2 * h)
-            shapes[f"{p}.enorm.weight"] = (h,)
-            shapes[f"{p}.hnorm.weight"] = (h,)
-            shapes[f"{p}.shared_head.head.weight"] = (v, h)
-            shapes[f"{p}.shared_head.norm.weight"] = (h,)
+            shapes |= _mtp_layer(p, c)
+    return shapes
+
+
+def dots1_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """dots.llm1: GLM-4.5's layout without attention biases or an MTP layer."""
+    h, hd = c["hidden_size"], c["head_dim"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c)
+        shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
+        shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
+        if layer < c["first_k_dense_replace"]:
+            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
+        else:
+            shapes |= _routed_mlp(p, c)
+    return shapes
+
+
+def minimax_m2_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """MiniMax-M2: Mixtral's expert names, a routing bias on the block, and
+    full-width q/k norms."""
+    h, e, nh = c["hidden_size"], c["num_local_experts"], c["num_attention_heads"]
+    hd, nkv = c["head_dim"], c["num_key_value_heads"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c)
+        shapes[f"{p}.self_attn.q_norm.weight"] = (nh * hd,)
+        shapes[f"{p}.self_attn.k_norm.weight"] = (nkv * hd,)
+        shapes[f"{p}.block_sparse_moe.gate.weight"] = (e, h)
+        shapes[f"{p}.block_sparse_moe.e_score_correction_bias"] = (e,)
+        moe = f"{p}.block_sparse_moe"
+        shapes |= _experts(moe, e, h, c["intermediate_size"], ("w1", "w3", "w2"))
     return shapes
 
 
@@ -731,7 +842,11 @@ HUB_LAYOUTS: dict[str, tuple[dict, Callable[[dict], dict[str, tuple[int, ...]]]]
     "olmoe": (OLMOE, olmoe_tensors),
     "deepseek_v2": (DEEPSEEK_V2, deepseek_tensors),
     "deepseek_v3": (DEEPSEEK_V3, deepseek_tensors),
+    "kimi_k2": (KIMI_K2, deepseek_tensors),
     "glm4_moe": (GLM4_MOE, glm4_moe_tensors),
+    "glm4_moe_lite": (GLM4_MOE_LITE, partial(deepseek_tensors, mtp=True)),
+    "dots1": (DOTS1, dots1_tensors),
+    "minimax_m2": (MINIMAX_M2, minimax_m2_tensors),
     "gpt_oss": (GPT_OSS, gpt_oss_tensors),
 }
 # Kept in float32 on the hub whatever the checkpoint's dtype.

@@ -158,11 +158,19 @@ def test_prefetch_router_matches_the_blocks_choice(case: Case):
 
 def test_distinctive_parts(case: Case):
     """What sets the family apart is present and really used."""
-    CHECKS[case.family](case, load_manifest(case.out))
+    manifest = load_manifest(case.out)
+    for check in CHECKS[case.family]:
+        check(case, manifest)
 
 
-def _moe_layers(manifest) -> list[int]:
-    return [layer.layer for layer in manifest.layers]
+def _config(case: Case) -> dict:
+    config = json.loads((case.src / "config.json").read_text())
+    return config.get("text_config", config)
+
+
+def _source_names(case: Case) -> list[str]:
+    index = json.loads((case.src / "model.safetensors.index.json").read_text())
+    return list(index["weight_map"])
 
 
 def _nonzero(model, path: str) -> None:
@@ -173,69 +181,79 @@ def _nonzero(model, path: str) -> None:
             assert mx.any(p != 0).item(), f"{path}.{name} is all zeros"
 
 
-def _check_shared_expert(case: Case, manifest) -> None:
-    """Qwen2-MoE / Qwen3-Next / Qwen3.5: a shared expert behind a sigmoid gate."""
-    for layer in manifest.layers:
-        block = layer.module.rpartition(".")[0]
-        _nonzero(case.reference, f"{block}.shared_expert")
-        _nonzero(case.reference, f"{block}.shared_expert_gate")
-    _changes_logits(case, "shared_expert", _zero_weights)
+def _all_routed(case: Case, manifest) -> None:
+    """Every decoder layer has routed experts."""
+    moe = [layer.layer for layer in manifest.layers]
+    assert moe == list(range(_config(case)["num_hidden_layers"]))
 
 
-def _check_deepseek(case: Case, manifest) -> None:
-    """Dense first layer, shared experts, group-limited routing."""
-    assert _moe_layers(manifest) == [1, 2, 3]
-    assert not hasattr(case.reference.model.layers[0].mlp, "switch_mlp")
-    assert (case.reference.args.n_group, case.reference.args.topk_group) == (4, 2)
-    for i in (1, 2, 3):
-        _nonzero(case.reference, f"model.layers.{i}.mlp.shared_experts")
-    _changes_logits(case, "shared_experts", _zero_weights)
-    _changes_logits(case, "gate", _ungroup)
-    if case.family == "deepseek_v3":
-        _check_score_correction(case)
+def _dense_first(case: Case, manifest) -> None:
+    """The first layers are dense: MoE layer numbers do not start at 0."""
+    c = _config(case)
+    moe = [layer.layer for layer in manifest.layers]
+    assert moe == list(range(c["first_k_dense_replace"], c["num_hidden_layers"]))
+    assert moe[0] > 0
 
 
-def _check_score_correction(case: Case) -> None:
-    """The router's bias stays float32 (mlx-lm never casts it) and matters."""
+def _shared(name: str):
+    def check(case: Case, manifest) -> None:
+        """A shared expert beside the routed ones, nonzero and used."""
+        for layer in manifest.layers:
+            _nonzero(case.reference, f"{layer.module.rpartition('.')[0]}.{name}")
+        _changes_logits(case, lambda m: _zero_modules(m, f".{name}"))
+
+    return check
+
+
+def _group_routing(case: Case, manifest) -> None:
+    """Group-limited routing changes which experts run."""
+    c = _config(case)
+    assert c["n_group"] > 1 and c["topk_group"] < c["n_group"]
+    _changes_logits(case, _ungroup)
+
+
+def _score_correction(case: Case, manifest) -> None:
+    """The router's score-correction bias reaches the model and matters."""
     model, _ = moestream.load(case.out, cache_experts=2, dtype=F32)
-    for layer in model.model.layers[1:]:
-        bias = layer.mlp.gate.e_score_correction_bias
-        assert bias.dtype == mx.float32 and mx.any(bias != 0).item()
-    _changes_logits(case, "gate", _zero_score_correction)
+    biases = [
+        v for k, v in tree_flatten(model.parameters()) if k.endswith("correction_bias")
+    ]
+    assert len(biases) == len(manifest.layers)
+    assert all(mx.any(b != 0).item() for b in biases)
+    _changes_logits(case, _zero_score_correction)
 
 
-def _check_glm4_moe(case: Case, manifest) -> None:
-    """Dense first layer, shared experts, and the hub's MTP layer dropped."""
-    assert any(n.startswith("model.layers.3.") for n in _source_names(case))
-    assert _moe_layers(manifest) == [1, 2]
-    for i in (1, 2):
-        _nonzero(case.reference, f"model.layers.{i}.mlp.shared_experts")
-    _changes_logits(case, "shared_experts", _zero_weights)
-    _check_score_correction(case)
+def _mtp_dropped(case: Case, manifest) -> None:
+    """The hub's multi-token-prediction layer (after the last) is dropped."""
+    n = _config(case)["num_hidden_layers"]
+    assert any(k.startswith(f"model.layers.{n}.") for k in _source_names(case))
+    assert max(layer.layer for layer in manifest.layers) == n - 1
 
 
-def _source_names(case: Case) -> list[str]:
-    index = json.loads((case.src / "model.safetensors.index.json").read_text())
-    return list(index["weight_map"])
+def _hybrid(case: Case, manifest) -> None:
+    """Linear-attention layers with their own caches beside full attention; the
+    hub's multi-token-prediction head (and vision tower) dropped."""
+    names = _source_names(case)
+    assert any(n.startswith("mtp.") for n in names)
+    caches = make_prompt_cache(case.reference)
+    assert [isinstance(c, ArraysCache) for c in caches] == [True, True, True, False]
+    moe = [layer.layer for layer in manifest.layers]
+    if case.family == "qwen3_next":
+        assert moe == [1, 2, 3]  # mlp_only_layers: [0]
+    else:  # the text model of a vision-language checkpoint
+        module = manifest.layers[0].module
+        assert module == "language_model.model.layers.0.mlp.switch_mlp"
+        assert moe == [0, 1, 2, 3]
+        assert any(n.startswith("model.visual.") for n in names)
 
 
-def _check_gpt_oss(case: Case, manifest) -> None:
-    """MXFP4 experts kept bit for bit, expert biases, the clamped SwiGLU."""
-    names = {s.name for s in manifest.layers[0].segments}
-    assert {"gate_proj.bias", "up_proj.bias", "down_proj.bias"} <= names
-    _check_blocks_kept(case, manifest.layers[1])
-    model, _ = moestream.load(case.out, cache_experts=2, dtype=F32)
-    inner = model.model.layers[0].mlp.experts._inner
-    assert inner.down_proj.mode == "mxfp4" and inner.down_proj.scales.dtype == mx.uint8
-    for i in range(len(manifest.layers)):
-        _nonzero(case.reference, f"model.layers.{i}.mlp.experts")  # expert biases
-    _changes_logits(case, "experts", _unclamp)
-
-
-def _check_blocks_kept(case: Case, layer) -> None:
-    """The blob holds the hub's MXFP4 bytes, de-interleaved as mlx-lm does."""
-    src = mx.load(str(next(case.src.glob("*.safetensors"))))
-    src |= mx.load(str(sorted(case.src.glob("*.safetensors"))[-1]))
+def _mxfp4_kept(case: Case, manifest) -> None:
+    """The blob holds the hub's MXFP4 bytes, de-interleaved as mlx-lm does,
+    and the slots compute in mode mxfp4."""
+    layer = manifest.layers[1]
+    src = {}
+    for f in case.src.glob("*.safetensors"):
+        src |= mx.load(str(f))
     prefix = f"model.layers.{layer.layer}.mlp.experts"
     blocks = np.array(src[f"{prefix}.gate_up_proj_blocks"])
     scales = np.array(src[f"{prefix}.gate_up_proj_scales"])
@@ -246,70 +264,88 @@ def _check_blocks_kept(case: Case, layer) -> None:
             assert up.tobytes() == blocks[e, 1::2].tobytes()
             gate_scales = blob.segment(record, layer.segment("gate_proj.scales"))
             assert np.array_equal(gate_scales, scales[e, ::2])
+    model, _ = moestream.load(case.out, cache_experts=2, dtype=F32)
+    inner = model.model.layers[0].mlp.experts._inner
+    assert inner.down_proj.mode == "mxfp4" and inner.down_proj.scales.dtype == mx.uint8
 
 
-def _check_hybrid(case: Case, manifest) -> None:
-    """Linear-attention layers with their own caches beside full attention; the
-    hub's multi-token-prediction head (and vision tower) dropped."""
-    names = _source_names(case)
-    assert any(n.startswith("mtp.") for n in names)
-    caches = make_prompt_cache(case.reference)
-    assert [isinstance(c, ArraysCache) for c in caches] == [True, True, True, False]
-    if case.family == "qwen3_next":
-        assert _moe_layers(manifest) == [1, 2, 3]  # mlp_only_layers: [0]
-    else:  # the text model of a vision-language checkpoint
-        assert (
-            manifest.layers[0].module == "language_model.model.layers.0.mlp.switch_mlp"
-        )
-        assert _moe_layers(manifest) == [0, 1, 2, 3]
-        assert any(n.startswith("model.visual.") for n in names)
-    _check_shared_expert(case, manifest)
+def _expert_biases(case: Case, manifest) -> None:
+    names = {s.name for s in manifest.layers[0].segments}
+    assert {"gate_proj.bias", "up_proj.bias", "down_proj.bias"} <= names
+    for layer in manifest.layers:
+        _nonzero(case.reference, layer.module)  # its only float tensors: biases
 
 
-def _check_plain(case: Case, manifest) -> None:
-    """Mixtral / OLMoE: every layer routed, no shared expert."""
-    assert _moe_layers(manifest) == [0, 1, 2]
+def _clamped_swiglu(case: Case, manifest) -> None:
+    """GPT-OSS's SwiGLU clamps at 7, and the test input reaches the clamp."""
+    _changes_logits(case, _unclamp)
 
 
 CHECKS = {
-    "mixtral": _check_plain,
-    "olmoe": _check_plain,
-    "qwen2_moe": _check_shared_expert,
-    "qwen3_next": _check_hybrid,
-    "qwen3_5_moe": _check_hybrid,
-    "deepseek_v2": _check_deepseek,
-    "deepseek_v3": _check_deepseek,
-    "glm4_moe": _check_glm4_moe,
-    "gpt_oss": _check_gpt_oss,
+    "mixtral": [_all_routed],
+    "olmoe": [_all_routed],
+    "qwen2_moe": [_all_routed, _shared("shared_expert")],
+    "qwen3_next": [_hybrid, _shared("shared_expert")],
+    "qwen3_5_moe": [_hybrid, _shared("shared_expert")],
+    "deepseek_v2": [_dense_first, _shared("shared_experts"), _group_routing],
+    "deepseek_v3": [
+        _dense_first,
+        _shared("shared_experts"),
+        _group_routing,
+        _score_correction,
+    ],
+    "glm4_moe": [
+        _dense_first,
+        _shared("shared_experts"),
+        _score_correction,
+        _mtp_dropped,
+    ],
+    "kimi_k2": [_dense_first, _shared("shared_experts"), _score_correction],
+    "glm4_moe_lite": [
+        _dense_first,
+        _shared("shared_experts"),
+        _score_correction,
+        _mtp_dropped,
+    ],
+    "dots1": [_dense_first, _shared("shared_experts"), _score_correction],
+    "minimax_m2": [_all_routed, _score_correction],
+    "gpt_oss": [_mxfp4_kept, _expert_biases, _clamped_swiglu],
 }
 
 
-def _zero_weights(module) -> None:
-    module.update(tree_map(mx.zeros_like, module.parameters()))
+def _zero_modules(model, suffix: str) -> None:
+    for path, module in model.named_modules():
+        if path.endswith(suffix):
+            module.update(tree_map(mx.zeros_like, module.parameters()))
 
 
-def _unclamp(module) -> None:
-    module.activation._limit = float("inf")
+def _unclamp(model) -> None:
+    for m in switch_modules(model).values():
+        m.activation._limit = float("inf")
 
 
-def _ungroup(module) -> None:
+def _ungroup(model) -> None:
     """Route over all experts instead of the best groups only."""
-    if hasattr(module, "topk_method"):  # deepseek_v2
-        module.topk_method = "greedy"
-    module.n_group = 1
+    for _, module in model.named_modules():
+        if hasattr(module, "n_group"):
+            module.n_group = 1
+            if hasattr(module, "topk_method"):  # deepseek_v2
+                module.topk_method = "greedy"
 
 
-def _zero_score_correction(module) -> None:
-    module.e_score_correction_bias = mx.zeros_like(module.e_score_correction_bias)
+def _zero_score_correction(model) -> None:
+    for _, module in model.named_modules():
+        if "e_score_correction_bias" in module:
+            module.e_score_correction_bias = mx.zeros_like(
+                module.e_score_correction_bias
+            )
 
 
-def _changes_logits(case: Case, name: str, change) -> None:
-    """Altering every module called `name` changes the reference's logits:
-    the test input really goes through that part."""
+def _changes_logits(case: Case, alter) -> None:
+    """Altering the reference with `alter` changes its logits: the test input
+    really goes through that part."""
     ref = resident_model(case.src, Recipe.parse(_bits(case)))
-    for path, module in ref.named_modules():
-        if path.endswith(f".{name}"):
-            change(module)
+    alter(ref)
     assert not mx.array_equal(ref(PROMPT), case.logits[0]).item()
 
 

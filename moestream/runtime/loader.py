@@ -193,11 +193,14 @@ def router_predictor(block: nn.Module, k: int) -> Callable | None:
     )
     if not callable(gate):
         return None
+    bias = block.get("e_score_correction_bias")  # minimax ranks biased sigmoids
 
     def predict(x: mx.array) -> mx.array:
         out = gate(x)
         if isinstance(out, tuple):  # gates that route themselves: (inds, scores)
             return out[0]
+        if bias is not None:
+            out = mx.sigmoid(out.astype(mx.float32)) + bias
         return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
 
     return predict
