@@ -98,6 +98,8 @@ FAMILIES: dict[str, Family] = {
         Family("glm4_moe_lite"),
         Family("dots1"),
         Family("minimax_m2", probe=r"\.block_sparse_moe\.experts\."),
+        Family("phimoe", probe=r"\.block_sparse_moe\.experts\."),
+        Family("llama4", layer_pattern=r"^language_model\.model\.layers\.(\d+)\."),
         Family("gpt_oss"),
     ]
 }

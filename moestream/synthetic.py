@@ -392,6 +392,65 @@ MINIMAX_M2 = {
     "use_routing_bias": True,
 }
 
+PHIMOE = {
+    **_COMMON,
+    "architectures": ["PhiMoEForCausalLM"],
+    "model_type": "phimoe",
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(16)],  # head_dim / 2
+        "long_factor": [1.0 + 0.5 * i for i in range(16)],
+        "short_mscale": 1.243,
+        "long_mscale": 1.243,
+    },
+    "router_jitter_noise": 0.01,
+    "input_jitter_noise": 0.01,
+    "attention_bias": True,
+    "lm_head_bias": True,
+    "sliding_window": 131072,
+}
+
+LLAMA4 = {
+    "architectures": ["Llama4ForConditionalGeneration"],
+    "model_type": "llama4",
+    "tie_word_embeddings": False,
+    "image_token_index": 310,
+    "text_config": {
+        **_COMMON,
+        "model_type": "llama4_text",
+        "max_position_embeddings": 10485760,  # as Llama-4-Scout's
+        "attention_bias": False,
+        "attention_chunk_size": 32,
+        "head_dim": 32,
+        "interleave_moe_layer_step": 1,
+        "intermediate_size": 64,
+        "intermediate_size_mlp": 192,
+        "num_hidden_layers": 4,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 1,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 16.0,
+            "high_freq_factor": 1.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "use_qk_norm": True,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+    },
+    "vision_config": {"hidden_size": 64, "model_type": "llama4_vision_model"},
+}
+
 GLM4_MOE = {
     **_COMMON,
     "architectures": ["Glm4MoeForCausalLM"],
@@ -724,6 +783,46 @@ def minimax_m2_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def phimoe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """Phi-3.5-MoE: Mixtral's expert names, LayerNorms and biases everywhere."""
+    h, e = c["hidden_size"], c["num_local_experts"]
+    shapes = _lm(c) | {"model.norm.bias": (h,), "lm_head.bias": (c["vocab_size"],)}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c, bias=True, o_bias=True)
+        shapes[f"{p}.input_layernorm.bias"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.bias"] = (h,)
+        shapes[f"{p}.block_sparse_moe.gate.weight"] = (e, h)
+        moe = f"{p}.block_sparse_moe"
+        shapes |= _experts(moe, e, h, c["intermediate_size"], ("w1", "w3", "w2"))
+    return shapes
+
+
+def llama4_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """Llama 4: a vision-language checkpoint whose text model keeps each MoE
+    layer's experts in two 3-D tensors, `[E, hidden, 2 x inter]` and
+    `[E, inter, hidden]`, beside a shared expert."""
+    t = c["text_config"]
+    h, e, i = t["hidden_size"], t["num_local_experts"], t["intermediate_size"]
+    shapes = _lm(t, "language_model.model")
+    shapes["language_model.lm_head.weight"] = shapes.pop("lm_head.weight")
+    for layer in range(t["num_hidden_layers"]):
+        p = f"language_model.model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, t)
+        f = f"{p}.feed_forward"
+        if layer % t["interleave_moe_layer_step"] != t["interleave_moe_layer_step"] - 1:
+            shapes |= _mlp(f, h, t["intermediate_size_mlp"])
+            continue
+        shapes[f"{f}.router.weight"] = (e, h)
+        shapes[f"{f}.experts.gate_up_proj"] = (e, h, 2 * i)
+        shapes[f"{f}.experts.down_proj"] = (e, i, h)
+        shapes |= _mlp(f"{f}.shared_expert", h, i)
+    vh = c["vision_config"]["hidden_size"]
+    shapes["vision_model.patch_embedding.linear.weight"] = (vh, 3 * 14 * 14)
+    shapes["multi_modal_projector.linear_1.weight"] = (h, vh)
+    return shapes
+
+
 def gpt_oss_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """The float tensors of GPT-OSS; the MXFP4 experts come from `mxfp4_experts`."""
     h, e, nh = c["hidden_size"], c["num_local_experts"], c["num_attention_heads"]
@@ -847,6 +946,8 @@ HUB_LAYOUTS: dict[str, tuple[dict, Callable[[dict], dict[str, tuple[int, ...]]]]
     "glm4_moe_lite": (GLM4_MOE_LITE, partial(deepseek_tensors, mtp=True)),
     "dots1": (DOTS1, dots1_tensors),
     "minimax_m2": (MINIMAX_M2, minimax_m2_tensors),
+    "phimoe": (PHIMOE, phimoe_tensors),
+    "llama4": (LLAMA4, llama4_tensors),
     "gpt_oss": (GPT_OSS, gpt_oss_tensors),
 }
 # Kept in float32 on the hub whatever the checkpoint's dtype.

@@ -247,6 +247,13 @@ def _hybrid(case: Case, manifest) -> None:
         assert any(n.startswith("model.visual.") for n in names)
 
 
+def _vision_dropped(case: Case, manifest) -> None:
+    """A vision-language checkpoint: its vision tower is dropped, the text model's
+    experts stream."""
+    assert any(n.startswith("vision_model.") for n in _source_names(case))
+    assert manifest.layers[0].module.startswith("language_model.model.layers.0.")
+
+
 def _mxfp4_kept(case: Case, manifest) -> None:
     """The blob holds the hub's MXFP4 bytes, de-interleaved as mlx-lm does,
     and the slots compute in mode mxfp4."""
@@ -309,6 +316,8 @@ CHECKS = {
     ],
     "dots1": [_dense_first, _shared("shared_experts"), _score_correction],
     "minimax_m2": [_all_routed, _score_correction],
+    "phimoe": [_all_routed],
+    "llama4": [_all_routed, _shared("shared_expert"), _vision_dropped],
     "gpt_oss": [_mxfp4_kept, _expert_biases, _clamped_swiglu],
 }
 
