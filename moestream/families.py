@@ -43,6 +43,13 @@ class Family:
     # (only layer 0's experts, any MoE layer, a conv weight): the first layer's
     # matches are lent to every layer's sanitize and what they become is dropped.
     probe: str | None = None
+    # Config key of how many experts each token is routed to.
+    top_k_key: str = "num_experts_per_tok"
+
+    def top_k(self, config: dict) -> int:
+        """Experts per token (text_config first; the most, where it varies by layer)."""
+        k = {**config, **config.get("text_config", {})}.get(self.top_k_key, 1)
+        return max(k) if isinstance(k, list) else int(k)
 
     def layer_of(self, name: str) -> int | None:
         m = re.match(self.layer_pattern, name)
@@ -100,6 +107,8 @@ FAMILIES: dict[str, Family] = {
         Family("minimax_m2", probe=r"\.block_sparse_moe\.experts\."),
         Family("phimoe", probe=r"\.block_sparse_moe\.experts\."),
         Family("llama4", layer_pattern=r"^language_model\.model\.layers\.(\d+)\."),
+        Family("ernie4_5_moe", top_k_key="moe_k"),
+        Family("hunyuan", probe=r"\.mlp\.experts\.", top_k_key="moe_topk"),
         Family("gpt_oss"),
     ]
 }

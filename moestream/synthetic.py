@@ -451,6 +451,56 @@ LLAMA4 = {
     "vision_config": {"hidden_size": 64, "model_type": "llama4_vision_model"},
 }
 
+ERNIE4_5_MOE = {
+    **_COMMON,
+    "architectures": ["Ernie4_5_MoeForCausalLM"],
+    "model_type": "ernie4_5_moe",
+    "head_dim": 32,
+    "intermediate_size": 192,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "moe_num_experts": 8,
+    "moe_num_shared_experts": 2,
+    "moe_k": 2,
+    "moe_layer_start_index": 1,
+    "moe_layer_end_index": 2,
+    "moe_layer_interval": 1,
+    "moe_capacity": [8, 8, 8],
+    "moe_gate": "topk",
+    "moe_use_aux_free": True,
+    "use_bias": False,
+    "tie_word_embeddings": True,
+    "rope_theta": 500000,
+}
+
+HUNYUAN = {
+    **_COMMON,
+    "architectures": ["HunYuanMoEV1ForCausalLM"],
+    "model_type": "hunyuan",
+    "intermediate_size": 64,
+    "moe_intermediate_size": [64, 64, 64],
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "moe_topk": [2, 2, 2],
+    "num_shared_expert": [1, 1, 1],
+    "use_mixed_mlp_moe": True,
+    "use_qk_norm": True,
+    "use_cla": False,
+    "cla_share_factor": 2,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "alpha": 1000.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "type": "dynamic",
+    },
+}
+
 GLM4_MOE = {
     **_COMMON,
     "architectures": ["Glm4MoeForCausalLM"],
@@ -823,6 +873,44 @@ def llama4_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def ernie4_5_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """ERNIE 4.5 MoE: dense layers before `moe_layer_start_index`, shared experts,
+    a routing bias and an MTP head that mlx-lm drops."""
+    h, e, i = c["hidden_size"], c["moe_num_experts"], c["moe_intermediate_size"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c)
+        if layer < c["moe_layer_start_index"]:
+            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
+            continue
+        shapes[f"{p}.mlp.gate.weight"] = (e, h)
+        shapes[f"{p}.mlp.moe_statics.e_score_correction_bias"] = (1, e)
+        shapes |= _experts(f"{p}.mlp", e, h, i)
+        shapes |= _mlp(f"{p}.mlp.shared_experts", h, i * c["moe_num_shared_experts"])
+    shapes["model.mtp_emb_norm.0.weight"] = (h,)
+    shapes["model.mtp_hidden_norm.0.weight"] = (h,)
+    shapes["model.mtp_linear_proj.0.weight"] = (h, 2 * h)
+    return shapes
+
+
+def hunyuan_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """Hunyuan-A13B: router `mlp.gate.wg`, a shared MLP beside the experts,
+    per-head `query_layernorm` / `key_layernorm`, tied embeddings."""
+    h, e, nh = c["hidden_size"], c["num_experts"], c["num_attention_heads"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c)
+        shapes[f"{p}.self_attn.query_layernorm.weight"] = (h // nh,)
+        shapes[f"{p}.self_attn.key_layernorm.weight"] = (h // nh,)
+        shapes[f"{p}.mlp.gate.wg.weight"] = (e, h)
+        shapes |= _experts(f"{p}.mlp", e, h, c["moe_intermediate_size"][layer])
+        shared = c["intermediate_size"] * c["num_shared_expert"][layer]
+        shapes |= _mlp(f"{p}.mlp.shared_mlp", h, shared)
+    return shapes
+
+
 def gpt_oss_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """The float tensors of GPT-OSS; the MXFP4 experts come from `mxfp4_experts`."""
     h, e, nh = c["hidden_size"], c["num_local_experts"], c["num_attention_heads"]
@@ -947,6 +1035,8 @@ HUB_LAYOUTS: dict[str, tuple[dict, Callable[[dict], dict[str, tuple[int, ...]]]]
     "dots1": (DOTS1, dots1_tensors),
     "minimax_m2": (MINIMAX_M2, minimax_m2_tensors),
     "phimoe": (PHIMOE, phimoe_tensors),
+    "ernie4_5_moe": (ERNIE4_5_MOE, ernie4_5_moe_tensors),
+    "hunyuan": (HUNYUAN, hunyuan_tensors),
     "llama4": (LLAMA4, llama4_tensors),
     "gpt_oss": (GPT_OSS, gpt_oss_tensors),
 }

@@ -143,7 +143,7 @@ def test_prefetch_router_matches_the_blocks_choice(case: Case):
         replace_module(ref, path, recorders[path])
     mx.eval(ref(PROMPT))
     config = json.loads((case.src / "config.json").read_text())
-    top_k = config.get("text_config", config)["num_experts_per_tok"]
+    top_k = FAMILIES[case.family].top_k(config)
     for path, rec in recorders.items():
         block = module_at(ref, path.rpartition(".")[0])
         (x, inds), *_ = rec._calls
@@ -190,8 +190,9 @@ def _all_routed(case: Case, manifest) -> None:
 def _dense_first(case: Case, manifest) -> None:
     """The first layers are dense: MoE layer numbers do not start at 0."""
     c = _config(case)
+    first = c.get("first_k_dense_replace", c.get("moe_layer_start_index"))
     moe = [layer.layer for layer in manifest.layers]
-    assert moe == list(range(c["first_k_dense_replace"], c["num_hidden_layers"]))
+    assert moe == list(range(first, c["num_hidden_layers"]))
     assert moe[0] > 0
 
 
@@ -317,6 +318,8 @@ CHECKS = {
     "dots1": [_dense_first, _shared("shared_experts"), _score_correction],
     "minimax_m2": [_all_routed, _score_correction],
     "phimoe": [_all_routed],
+    "ernie4_5_moe": [_dense_first, _shared("shared_experts")],
+    "hunyuan": [_all_routed, _shared("shared_mlp")],
     "llama4": [_all_routed, _shared("shared_expert"), _vision_dropped],
     "gpt_oss": [_mxfp4_kept, _expert_biases, _clamped_swiglu],
 }

@@ -23,6 +23,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 from ..families import (
     build_model,
     cast_floating,
+    get_family,
     layer_index,
     module_at,
     quantize_as_configured,
@@ -179,7 +180,7 @@ def _chain_prefetch(
 ) -> None:
     """Give each MoE layer the next one's router, to predict its experts early."""
     ordered = sorted(streaming.items(), key=lambda kv: layer_index(kv[0]))
-    k = int(_text_config(config).get("num_experts_per_tok", 1))
+    k = get_family(config).top_k(config)
     for (_, layer), (path, nxt) in itertools.pairwise(ordered):
         predict = router_predictor(module_at(model, path.rpartition(".")[0]), k)
         if predict is not None:
@@ -320,11 +321,12 @@ def plan_memory(
     budget: int | None,
     cache_experts: int | None,
 ) -> MemoryPlan:
+    top_k = get_family(config).top_k(config)
     config = _text_config(config)
     num_experts = max(layer.num_experts for layer in manifest.layers)
-    top_k = int(config.get("num_experts_per_tok", 1))
     slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
-    kv, act = _kv_bytes(config, context, compute), _activation_bytes(config, context)
+    kv = _kv_bytes(config, context, compute)
+    act = _activation_bytes(config, context, top_k)
     staging = max(layer.record_nbytes for layer in manifest.layers)
     if cache_experts is None and budget is None:
         budget = int(0.8 * _physical_memory())
@@ -391,13 +393,14 @@ def _kv_bytes(config: dict, context: int, compute: mx.Dtype) -> int:
     return 2 * layers * kv_heads * head_dim * steps * compute.size
 
 
-def _activation_bytes(config: dict, context: int) -> int:
+def _activation_bytes(config: dict, context: int, k: int) -> int:
     """Transient memory of a prefill chunk, in float32: attention scores, the
-    routed rows of the MoE, a few hidden-size buffers, and the logits."""
+    routed rows (`k` per token) of the MoE, a few hidden-size buffers, and the
+    logits."""
     tokens = min(PREFILL_STEP, context)
     heads = config.get("num_attention_heads", 1)
-    k = config.get("num_experts_per_tok", 1)
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
+    inter = max(inter) if isinstance(inter, list) else inter  # hunyuan: per layer
     hidden = config["hidden_size"]
     per_token = heads * tokens + k * (3 * inter + hidden) + 8 * hidden
     return 4 * (tokens * per_token + 2 * config.get("vocab_size", 0))
