@@ -9,6 +9,8 @@ cache below top-k (every call runs in groups) and a mid-sized one.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,8 @@ from moestream.families import (
 from moestream.formats import BlobReader, Recipe, load_manifest
 from moestream.reference import resident_model
 from moestream.runtime.loader import router_predictor
-from moestream.synthetic import HUB_LAYOUTS, tiny_model
+from moestream.synthetic import HUB_LAYOUTS, tiny_model, write_hf_model
+from moestream.synthetic_sources import read_hf
 
 BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
 # below top-k (2): every call runs in groups; mid: 5 of 8 experts resident
@@ -359,6 +362,36 @@ def _changes_logits(case: Case, alter) -> None:
     ref = resident_model(case.src, Recipe.parse(_bits(case)))
     alter(ref)
     assert not mx.array_equal(ref(PROMPT), case.logits[0]).item()
+
+
+def test_fused_experts_convert_byte_identical(case: Case, tmp_path):
+    """Experts saved fused ([E, 2I, H] gate_up_proj + [E, H, I] down_proj, as
+    transformers >= 5 saves them) convert to the same bytes as per-expert ones."""
+    from test_sources import same_files
+
+    from moestream.converter.layouts import EXPERT_NAMES
+
+    if case.family not in EXPERT_NAMES:
+        pytest.skip(f"{case.family}: mlx-lm's sanitize reads its own fused tensors")
+    config, w = read_hf(case.src)
+    per_expert = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    stacks: dict[str, dict[str, dict[int, mx.array]]] = {}
+    for k in [k for k in w if per_expert.match(k)]:
+        container, e, proj = per_expert.match(k).groups()
+        stacks.setdefault(container, {}).setdefault(proj, {})[int(e)] = w.pop(k)
+    for container, projs in stacks.items():
+        gate, up, down = (
+            mx.stack([projs[p][e] for e in sorted(projs[p])])
+            for p in ("gate", "up", "down")
+        )
+        w[f"{container}.gate_up_proj"] = mx.concatenate([gate, up], axis=1)
+        w[f"{container}.down_proj"] = down
+    src = write_hf_model(tmp_path / "fused", config, w, shards=2)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(case.src / f, src / f)
+    summary = convert(str(src), tmp_path / "out", bits=_bits(case), progress=False)
+    assert summary.source_layout == "fused expert tensors"
+    same_files(case.out, tmp_path / "out")
 
 
 def test_gpt_oss_refuses_bits_for_mxfp4_experts(tmp_path):

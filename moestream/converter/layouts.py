@@ -73,8 +73,23 @@ class ExpertNames:
 
 
 # Families whose fused expert tensors are split here; a family whose own
-# sanitize reads its fused tensors (gpt_oss) stays out. Extend per family.
-EXPERT_NAMES: dict[str, ExpertNames] = {"qwen3_moe": ExpertNames()}
+# sanitize reads its fused tensors (gpt_oss, qwen3_5_moe, llama4) stays out.
+# Extend per family.
+EXPERT_NAMES: dict[str, ExpertNames] = dict.fromkeys(
+    [
+        "qwen3_moe",
+        "qwen2_moe",
+        "qwen3_next",
+        "olmoe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "kimi_k2",
+        "dots1",
+        "ernie4_5_moe",
+        "hunyuan",
+    ],
+    ExpertNames(),
+)
 
 
 class Layout:
