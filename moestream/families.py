@@ -98,6 +98,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family("mixtral", probe=r"\.block_sparse_moe\.experts\."),
         Family("olmoe", probe=r"\.mlp\.experts\."),
+        Family("deepseek"),
         Family("deepseek_v2"),
         Family("deepseek_v3"),
         Family("kimi_k2"),  # mlx-lm's deepseek_v3
@@ -109,6 +110,7 @@ FAMILIES: dict[str, Family] = {
         Family("llama4", layer_pattern=r"^language_model\.model\.layers\.(\d+)\."),
         Family("ernie4_5_moe", top_k_key="moe_k"),
         Family("hunyuan", probe=r"\.mlp\.experts\.", top_k_key="moe_topk"),
+        Family("bailing_moe", probe=r"^lm_head\.weight$"),  # norm_head
         Family("gpt_oss"),
     ]
 }

@@ -287,6 +287,26 @@ _DEEPSEEK = {
     "attention_bias": False,
 }
 
+DEEPSEEK = {
+    **_COMMON,
+    "architectures": ["DeepseekForCausalLM"],
+    "model_type": "deepseek",
+    "num_key_value_heads": 4,
+    "intermediate_size": 192,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "softmax",
+    "topk_method": "greedy",
+    "norm_topk_prob": False,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+}
+
 DEEPSEEK_V2 = {
     **_DEEPSEEK,
     "architectures": ["DeepseekV2ForCausalLM"],
@@ -499,6 +519,30 @@ HUNYUAN = {
         "mscale_all_dim": 1.0,
         "type": "dynamic",
     },
+}
+
+BAILING_MOE = {
+    **_COMMON,
+    "architectures": ["BailingMoeForCausalLM"],
+    "model_type": "bailing_moe",
+    "intermediate_size": 192,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "norm_head": True,
+    "use_qk_norm": True,
+    "use_bias": False,
+    "use_qkv_bias": False,
+    "moe_router_enable_expert_bias": True,
+    "score_function": "sigmoid",
+    "routed_scaling_factor": 2.5,
+    "n_group": 2,
+    "topk_group": 1,
+    "rope_theta": 600000,
 }
 
 GLM4_MOE = {
@@ -780,6 +824,20 @@ def deepseek_tensors(c: dict, mtp: bool = False) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def deepseek_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-MoE (v1): plain attention, dense first layers, shared experts."""
+    h = c["hidden_size"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes |= _norms(p, h) | _attention(p, c)
+        if layer < c["first_k_dense_replace"] or layer % c["moe_layer_freq"]:
+            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
+        else:
+            shapes |= _routed_mlp(p, c)
+    return shapes
+
+
 def glm4_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """GLM-4.5: dense first layers, shared experts, and a multi-token-prediction
     layer after the last one (mlx-lm drops it)."""
@@ -911,6 +969,33 @@ def hunyuan_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def bailing_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """Ling (Bailing MoE): `word_embeddings`, fused `attention.query_key_value`,
+    router `mlp.gate` with an expert bias, shared experts; with `norm_head`,
+    mlx-lm normalizes lm_head in its sanitize."""
+    h, e, nh = c["hidden_size"], c["num_experts"], c["num_attention_heads"]
+    hd, i = h // nh, c["moe_intermediate_size"]
+    qkv = (nh + 2 * c["num_key_value_heads"]) * hd
+    shapes = _lm(c)
+    shapes["model.word_embeddings.weight"] = shapes.pop("model.embed_tokens.weight")
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        a = f"{p}.attention"
+        shapes |= _norms(p, h)
+        shapes[f"{a}.query_key_value.weight"] = (qkv, h)
+        shapes[f"{a}.dense.weight"] = (h, nh * hd)
+        shapes[f"{a}.query_layernorm.weight"] = (hd,)
+        shapes[f"{a}.key_layernorm.weight"] = (hd,)
+        if layer < c["first_k_dense_replace"]:
+            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
+            continue
+        shapes[f"{p}.mlp.gate.weight"] = (e, h)
+        shapes[f"{p}.mlp.gate.expert_bias"] = (e,)
+        shapes |= _experts(f"{p}.mlp", e, h, i)
+        shapes |= _mlp(f"{p}.mlp.shared_experts", h, i * c["num_shared_experts"])
+    return shapes
+
+
 def gpt_oss_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """The float tensors of GPT-OSS; the MXFP4 experts come from `mxfp4_experts`."""
     h, e, nh = c["hidden_size"], c["num_local_experts"], c["num_attention_heads"]
@@ -1027,6 +1112,7 @@ HUB_LAYOUTS: dict[str, tuple[dict, Callable[[dict], dict[str, tuple[int, ...]]]]
     "qwen3_5_moe": (QWEN3_5_MOE, qwen3_5_moe_tensors),
     "mixtral": (MIXTRAL, mixtral_tensors),
     "olmoe": (OLMOE, olmoe_tensors),
+    "deepseek": (DEEPSEEK, deepseek_moe_tensors),
     "deepseek_v2": (DEEPSEEK_V2, deepseek_tensors),
     "deepseek_v3": (DEEPSEEK_V3, deepseek_tensors),
     "kimi_k2": (KIMI_K2, deepseek_tensors),
@@ -1035,13 +1121,14 @@ HUB_LAYOUTS: dict[str, tuple[dict, Callable[[dict], dict[str, tuple[int, ...]]]]
     "dots1": (DOTS1, dots1_tensors),
     "minimax_m2": (MINIMAX_M2, minimax_m2_tensors),
     "phimoe": (PHIMOE, phimoe_tensors),
+    "bailing_moe": (BAILING_MOE, bailing_moe_tensors),
     "ernie4_5_moe": (ERNIE4_5_MOE, ernie4_5_moe_tensors),
     "hunyuan": (HUNYUAN, hunyuan_tensors),
     "llama4": (LLAMA4, llama4_tensors),
     "gpt_oss": (GPT_OSS, gpt_oss_tensors),
 }
 # Kept in float32 on the hub whatever the checkpoint's dtype.
-FLOAT32_TENSORS = ("e_score_correction_bias",)
+FLOAT32_TENSORS = ("e_score_correction_bias", "expert_bias")
 # Small, as trained ones are, so the tokens still decide the routing.
 SCORE_CORRECTION_SCALE = 0.05
 

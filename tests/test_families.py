@@ -220,11 +220,15 @@ def _score_correction(case: Case, manifest) -> None:
     """The router's score-correction bias reaches the model and matters."""
     model, _ = moestream.load(case.out, cache_experts=2, dtype=F32)
     biases = [
-        v for k, v in tree_flatten(model.parameters()) if k.endswith("correction_bias")
+        v for k, v in tree_flatten(model.parameters()) if k.endswith(ROUTING_BIASES)
     ]
     assert len(biases) == len(manifest.layers)
     assert all(mx.any(b != 0).item() for b in biases)
     _changes_logits(case, _zero_score_correction)
+
+
+# Router biases that steer top-k choice only (DeepSeek-V3 style; bailing's name).
+ROUTING_BIASES = ("e_score_correction_bias", "expert_bias")
 
 
 def _mtp_dropped(case: Case, manifest) -> None:
@@ -298,6 +302,7 @@ CHECKS = {
     "qwen2_moe": [_all_routed, _shared("shared_expert")],
     "qwen3_next": [_hybrid, _shared("shared_expert")],
     "qwen3_5_moe": [_hybrid, _shared("shared_expert")],
+    "deepseek": [_dense_first, _shared("shared_experts")],
     "deepseek_v2": [_dense_first, _shared("shared_experts"), _group_routing],
     "deepseek_v3": [
         _dense_first,
@@ -324,6 +329,12 @@ CHECKS = {
     "ernie4_5_moe": [_dense_first, _shared("shared_experts")],
     "hunyuan": [_all_routed, _shared("shared_mlp")],
     "llama4": [_all_routed, _shared("shared_expert"), _vision_dropped],
+    "bailing_moe": [
+        _dense_first,
+        _shared("shared_experts"),
+        _group_routing,
+        _score_correction,
+    ],
     "gpt_oss": [_mxfp4_kept, _expert_biases, _clamped_swiglu],
 }
 
@@ -350,10 +361,9 @@ def _ungroup(model) -> None:
 
 def _zero_score_correction(model) -> None:
     for _, module in model.named_modules():
-        if "e_score_correction_bias" in module:
-            module.e_score_correction_bias = mx.zeros_like(
-                module.e_score_correction_bias
-            )
+        for name in ROUTING_BIASES:
+            if name in module:
+                module[name] = mx.zeros_like(module[name])
 
 
 def _changes_logits(case: Case, alter) -> None:
