@@ -40,8 +40,9 @@ class Family:
     # Source tensor names of decoder layer N start with this (group 1 = N).
     layer_pattern: str = r"^model\.layers\.(\d+)\."
     # Source tensors mlx-lm's sanitize looks for before it converts hub names
-    # (only layer 0's experts, any MoE layer, a conv weight): the first layer's
-    # matches are lent to every layer's sanitize and what they become is dropped.
+    # (layer 0's experts, any MoE layer's, a conv weight, lm_head): the matches
+    # of the first layer having any (or outside layers) are lent to every
+    # layer's sanitize, and what they become is dropped.
     probe: str | None = None
     # Config key of how many experts each token is routed to.
     top_k_key: str = "num_experts_per_tok"
