@@ -44,6 +44,8 @@ class Family:
     # of the first layer having any (or outside layers) are lent to every
     # layer's sanitize, and what they become is dropped.
     probe: str | None = None
+    # Lend every layer's matches: granitemoe's sanitize pops each layer's experts.
+    probe_all_layers: bool = False
     # Config key of how many experts each token is routed to.
     top_k_key: str = "num_experts_per_tok"
 
@@ -61,6 +63,8 @@ class Family:
         if self.probe is None:
             return []
         hits = {n: self.layer_of(n) for n in names if re.search(self.probe, n)}
+        if self.probe_all_layers:
+            return sorted(hits)
         first = min((i for i in hits.values() if i is not None), default=None)
         return sorted(n for n, i in hits.items() if i == first)
 
@@ -79,9 +83,9 @@ class Family:
             return weights
         extra = {k: v for k, v in (lent or {}).items() if k not in weights}
         out = model.sanitize({**weights, **extra})
-        if extra:
-            borrowed = model.sanitize(dict(extra))
-            out = {k: v for k, v in out.items() if k not in borrowed}
+        if extra:  # keep what this unit's tensors became: its layer's (or none)
+            unit = self.layer_of(next(iter(weights))) if weights else None
+            out = {k: v for k, v in out.items() if _layer_in(k) == unit}
         return out
 
 
@@ -112,6 +116,11 @@ FAMILIES: dict[str, Family] = {
         Family("ernie4_5_moe", top_k_key="moe_k"),
         Family("hunyuan", probe=r"\.mlp\.experts\.", top_k_key="moe_topk"),
         Family("bailing_moe", probe=r"^lm_head\.weight$"),  # norm_head
+        Family(
+            "granitemoe",
+            probe=r"\.block_sparse_moe\.(input|output)_linear\.",
+            probe_all_layers=True,
+        ),
         Family("gpt_oss"),
     ]
 }
@@ -192,6 +201,11 @@ def replace_module(root: nn.Module, path: str, new: nn.Module) -> None:
         parent[int(name)] = new
     else:
         parent[name] = new
+
+
+def _layer_in(name: str) -> int | None:
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
 
 
 def layer_index(module_path: str) -> int:

@@ -545,6 +545,23 @@ BAILING_MOE = {
     "rope_theta": 600000,
 }
 
+GRANITEMOE = {
+    **_COMMON,
+    "architectures": ["GraniteMoeForCausalLM"],
+    "model_type": "granitemoe",
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "attention_multiplier": 0.015625,
+    "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22,
+    "logits_scaling": 6.0,
+    "rope_theta": 10000.0,
+}
+
 GLM4_MOE = {
     **_COMMON,
     "architectures": ["Glm4MoeForCausalLM"],
@@ -996,6 +1013,21 @@ def bailing_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def granitemoe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """Granite 3 MoE: each layer's experts in two 3-D tensors, `input_linear`
+    [E, 2 x inter, hidden] (gate first) and `output_linear` [E, hidden, inter]."""
+    h, e, i = c["hidden_size"], c["num_local_experts"], c["intermediate_size"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        moe = f"{p}.block_sparse_moe"
+        shapes |= _norms(p, h) | _attention(p, c)
+        shapes[f"{moe}.router.layer.weight"] = (e, h)
+        shapes[f"{moe}.input_linear.weight"] = (e, 2 * i, h)
+        shapes[f"{moe}.output_linear.weight"] = (e, h, i)
+    return shapes
+
+
 def gpt_oss_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """The float tensors of GPT-OSS; the MXFP4 experts come from `mxfp4_experts`."""
     h, e, nh = c["hidden_size"], c["num_local_experts"], c["num_attention_heads"]
@@ -1122,6 +1154,7 @@ HUB_LAYOUTS: dict[str, tuple[dict, Callable[[dict], dict[str, tuple[int, ...]]]]
     "minimax_m2": (MINIMAX_M2, minimax_m2_tensors),
     "phimoe": (PHIMOE, phimoe_tensors),
     "bailing_moe": (BAILING_MOE, bailing_moe_tensors),
+    "granitemoe": (GRANITEMOE, granitemoe_tensors),
     "ernie4_5_moe": (ERNIE4_5_MOE, ernie4_5_moe_tensors),
     "hunyuan": (HUNYUAN, hunyuan_tensors),
     "llama4": (LLAMA4, llama4_tensors),

@@ -335,6 +335,7 @@ CHECKS = {
         _group_routing,
         _score_correction,
     ],
+    "granitemoe": [_all_routed],
     "gpt_oss": [_mxfp4_kept, _expert_biases, _clamped_swiglu],
 }
 
