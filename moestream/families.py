@@ -1,15 +1,17 @@
 """Model families: a thin registry over mlx-lm's model code.
 
 mlx-lm implements each family; moestream only needs to know where a family's
-checkpoint keeps a layer's tensors and how to find its routed experts (every
-mlx-lm MoE block calls a `SwitchGLU`, found by type, not by name).
-Adding a family is one `Family` entry here plus a test model in tests/.
+checkpoint keeps a layer's tensors and what mlx-lm's `sanitize` must see to
+convert hub names when it is given one layer at a time (every mlx-lm MoE block
+calls a `SwitchGLU`, found by type, not by name). Adding a family is one
+`Family` entry here, a hub-layout builder in synthetic.py and a test case in
+tests/test_families.py.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -37,19 +39,91 @@ class Family:
     model_type: str
     # Source tensor names of decoder layer N start with this (group 1 = N).
     layer_pattern: str = r"^model\.layers\.(\d+)\."
+    # Source tensors mlx-lm's sanitize looks for before it converts hub names
+    # (layer 0's experts, any MoE layer's, a conv weight, lm_head): the matches
+    # of the first layer having any (or outside layers) are lent to every
+    # layer's sanitize, and what they become is dropped.
+    probe: str | None = None
+    # Lend every layer's matches: granitemoe's sanitize pops each layer's experts.
+    probe_all_layers: bool = False
+    # Config key of how many experts each token is routed to.
+    top_k_key: str = "num_experts_per_tok"
+
+    def top_k(self, config: dict) -> int:
+        """Experts per token (text_config first; the most, where it varies by layer)."""
+        k = {**config, **config.get("text_config", {})}.get(self.top_k_key, 1)
+        return max(k) if isinstance(k, list) else int(k)
 
     def layer_of(self, name: str) -> int | None:
         m = re.match(self.layer_pattern, name)
         return int(m.group(1)) if m else None
 
+    def probe_names(self, names: Iterable[str]) -> list[str]:
+        """The source tensors to lend to every layer's sanitize (maybe none)."""
+        if self.probe is None:
+            return []
+        hits = {n: self.layer_of(n) for n in names if re.search(self.probe, n)}
+        if self.probe_all_layers:
+            return sorted(hits)
+        first = min((i for i in hits.values() if i is not None), default=None)
+        return sorted(n for n, i in hits.items() if i == first)
+
     def sanitize(
-        self, model: nn.Module, weights: dict[str, mx.array]
+        self,
+        model: nn.Module,
+        weights: dict[str, mx.array],
+        lent: dict[str, mx.array] | None = None,
     ) -> dict[str, mx.array]:
-        """mlx-lm's own renames and expert stacking, on one layer's tensors."""
-        return model.sanitize(weights) if hasattr(model, "sanitize") else weights
+        """mlx-lm's own renames and expert stacking, on one layer's tensors.
+
+        `lent`: the probe tensors (lazy, never evaluated), so that sanitize
+        takes the same path as on the whole checkpoint.
+        """
+        if not hasattr(model, "sanitize"):
+            return weights
+        extra = {k: v for k, v in (lent or {}).items() if k not in weights}
+        out = model.sanitize({**weights, **extra})
+        if extra:  # keep what this unit's tensors became: its layer's (or none)
+            unit = self.layer_of(next(iter(weights))) if weights else None
+            out = {k: v for k, v in out.items() if _layer_in(k) == unit}
+        return out
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in [Family("qwen3_moe")]}
+# One entry per mlx-lm model_type; `probe` only where its sanitize needs one.
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in [
+        Family("qwen3_moe"),
+        Family("qwen2_moe", probe=r"\.mlp\.experts\."),
+        Family("qwen3_next", probe=r"\.mlp\.experts\."),
+        Family(
+            "qwen3_5_moe",
+            layer_pattern=r"^model\.language_model\.layers\.(\d+)\.",
+            probe=r"\.linear_attn\.conv1d\.weight$",
+        ),
+        Family("mixtral", probe=r"\.block_sparse_moe\.experts\."),
+        Family("olmoe", probe=r"\.mlp\.experts\."),
+        Family("deepseek"),
+        Family("deepseek_v2"),
+        Family("deepseek_v3"),
+        Family("kimi_k2"),  # mlx-lm's deepseek_v3
+        Family("glm4_moe"),
+        Family("glm4_moe_lite"),
+        Family("dots1"),
+        Family("minimax_m2", probe=r"\.block_sparse_moe\.experts\."),
+        Family("phimoe", probe=r"\.block_sparse_moe\.experts\."),
+        Family("llama4", layer_pattern=r"^language_model\.model\.layers\.(\d+)\."),
+        Family("ernie4_5_moe", top_k_key="moe_k"),
+        Family("hunyuan", probe=r"\.mlp\.experts\.", top_k_key="moe_topk"),
+        Family("bailing_moe", probe=r"^lm_head\.weight$"),  # norm_head
+        Family(
+            "granitemoe",
+            probe=r"\.block_sparse_moe\.(input|output)_linear\.",
+            probe_all_layers=True,
+        ),
+        Family("gpt_oss"),
+    ]
+}
 
 
 def get_family(config: dict) -> Family:
@@ -127,6 +201,11 @@ def replace_module(root: nn.Module, path: str, new: nn.Module) -> None:
         parent[int(name)] = new
     else:
         parent[name] = new
+
+
+def _layer_in(name: str) -> int | None:
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
 
 
 def layer_index(module_path: str) -> int:

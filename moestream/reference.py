@@ -46,7 +46,10 @@ def resident_model(
     """mlx-lm model of `source`: cast to `dtype`, quantized by `recipe`, resident."""
     recipe = recipe or Recipe()
     model, _, config = mlx_load(str(source), lazy=True, return_config=True)
-    if isinstance(config.get("quantization"), dict):  # an MLX checkpoint
+    # load sets "quantization" for hub-quantized sources too (gpt_oss's MXFP4);
+    # an MLX checkpoint is one whose own config.json has it
+    shipped = load_config(Path(source)) if Path(source).is_dir() else config
+    if isinstance(shipped.get("quantization"), dict):  # an MLX checkpoint
         cast_floating(model, getattr(mx, dtype or _scales_dtype(model)))
         _requantize_experts(model, recipe)
     else:

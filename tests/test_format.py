@@ -238,14 +238,18 @@ def test_hub_source_downloads_only_needed_files(
 
     calls = {}
 
-    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
+    def fake_snapshot_download(
+        repo_id, revision=None, allow_patterns=None, ignore_patterns=None
+    ):
         calls.update(repo_id=repo_id, revision=revision, patterns=allow_patterns)
+        calls.update(ignored=ignore_patterns)
         return str(hf_dir)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     convert("org/tiny-moe", tmp_path / "out", revision="abc123", progress=False)
     assert calls["repo_id"] == "org/tiny-moe" and calls["revision"] == "abc123"
     assert "*.safetensors" in calls["patterns"] and "*.bin" not in calls["patterns"]
+    assert calls["ignored"] == ["original/*"]  # gpt-oss's second copy
     source = load_manifest(tmp_path / "out").source
     assert source == {"repo_id": "org/tiny-moe", "revision": "abc123"}
 

@@ -13,7 +13,9 @@ into what the family's mlx-lm `sanitize` expects:
   dequantized to float32, then cast and quantized like any source;
 - MLX-quantized (`switch_mlp.*.{weight,scales,biases}`): names are mlx-lm's
   already; `keep_or_dequantize` hands quantized tensors through unchanged, or
-  dequantizes an expert projection whose bits differ from the recipe.
+  dequantizes an expert projection whose bits differ from the recipe;
+- MXFP4 experts as the hub ships gpt_oss (`*_blocks` / `*_scales`, unpacked by
+  the family's sanitize): kept bit for bit, in mode mxfp4.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED = (
     "unquantized bf16/fp16/fp32 (per-expert or fused experts), "
-    "fp8 block-quantized (weight_scale_inv), and MLX-quantized (affine)"
+    "fp8 block-quantized (weight_scale_inv), MXFP4 experts (gpt_oss), "
+    "and MLX-quantized (affine)"
 )
 FP8_BLOCK = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 default weight_block_size
 
@@ -70,8 +73,25 @@ class ExpertNames:
 
 
 # Families whose fused expert tensors are split here; a family whose own
-# sanitize reads its fused tensors (gpt_oss) stays out. Extend per family.
-EXPERT_NAMES: dict[str, ExpertNames] = {"qwen3_moe": ExpertNames()}
+# sanitize reads its fused tensors (gpt_oss, qwen3_5_moe, llama4) stays out.
+# Extend per family.
+EXPERT_NAMES: dict[str, ExpertNames] = dict.fromkeys(
+    [
+        "qwen3_moe",
+        "qwen2_moe",
+        "qwen3_next",
+        "olmoe",
+        "deepseek",
+        "deepseek_v2",
+        "deepseek_v3",
+        "kimi_k2",
+        "dots1",
+        "ernie4_5_moe",
+        "hunyuan",
+        "bailing_moe",
+    ],
+    ExpertNames(),
+)
 
 
 class Layout:
@@ -219,10 +239,7 @@ class MlxLayout(Layout):
         return weights
 
     def expected_shapes(self, weights: Mapping[str, mx.array]) -> dict[str, tuple]:
-        """The model quantized as mlx-lm's load would, for these tensors."""
-        model = build_model(self.config)
-        quantize_as_configured(model, self.config, dict(weights))
-        return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+        return _shapes_as_loaded(self.config, weights)
 
     def quantizes_dense(self) -> bool:
         return False  # mlx-lm loads the dense part as stored; so do we
@@ -344,6 +361,46 @@ class MlxLayout(Layout):
         return lines
 
 
+class Mxfp4Layout(Layout):
+    """Experts shipped in MXFP4 (gpt_oss): kept bit for bit, as mlx-lm loads
+    them (no lossy round trip); the unquantized dense part follows the recipe."""
+
+    def describe(self) -> str:
+        return "MXFP4 experts (kept as shipped), unquantized dense part"
+
+    def expected_shapes(self, weights: Mapping[str, mx.array]) -> dict[str, tuple]:
+        return _shapes_as_loaded(self.config, weights)
+
+    def recipe(self, bits: str | None, group_size: int | None) -> Recipe:
+        if bits:
+            raise SourceError(
+                "This checkpoint's experts ship as MXFP4 and are kept as they are "
+                "(re-quantizing them would only lose precision); drop --bits."
+            )
+        return super().recipe(bits, group_size)
+
+    def keep_or_dequantize(
+        self, path: str, module: nn.Module, params: dict, target: dict | bool | None
+    ) -> tuple[dict[str, mx.array], dict | None]:
+        spec = infer_quant_config(
+            path, module, {f"{path}.{k}": v for k, v in params.items()}
+        )
+        if spec["mode"] != "mxfp4":
+            raise SourceError(
+                f"{path} is stored as {_spec_text(spec)}, but config.json says "
+                "mxfp4; is config.json the one of this checkpoint?"
+            )
+        return params, spec
+
+
+def _shapes_as_loaded(config: dict, weights: Mapping[str, mx.array]) -> dict:
+    """Parameter shapes of the model quantized as mlx-lm's load would, for these
+    tensors."""
+    model = build_model(config)
+    quantize_as_configured(model, config, dict(weights))
+    return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+
+
 def _spec_text(spec: dict) -> str:
     mode = spec.get("mode", "affine")
     return f"{spec['bits']}-bit g{spec['group_size']}" + (
@@ -355,7 +412,7 @@ def _same(a: dict, b: dict) -> bool:
     return all(a[k] == b.get(k, "affine" if k == "mode" else None) for k in a)
 
 
-QUANT_METHODS = {"fp8": Fp8Layout}
+QUANT_METHODS = {"fp8": Fp8Layout, "mxfp4": Mxfp4Layout}
 
 
 def detect(model: nn.Module, src: Source) -> Layout:

@@ -232,7 +232,8 @@ def _convert_into(
     units = [*layers.values(), rest]
     modules = dict(model.named_modules())
     switches = {p: layer_index(p) for p in switch_modules(model)}
-    _check_coverage(src, family, model, layout, units)
+    lent = layout.normalize(src.lend(family.probe_names(src.files)))
+    _check_coverage(src, family, model, layout, units, lent)
     predicate = _module_quantization(model, recipe, layout.quantizes_dense())
     quantization: dict = recipe.dense.to_mlx()
     dense = _DenseWriter(tmp)
@@ -242,7 +243,7 @@ def _convert_into(
     ):
         if i + 1 < len(units):
             src.prefetch(units[i + 1])
-        weights = _prepare(src, family, model, layout, names, getattr(mx, dtype))
+        weights = _prepare(src, family, model, layout, names, getattr(mx, dtype), lent)
         out = _quantize_unit(weights, modules, predicate, quantization, layout)
         del weights
         mx.eval(out)
@@ -277,12 +278,14 @@ def _check_coverage(
     model: nn.Module,
     layout: Layout,
     units: list[list[str]],
+    lent: dict[str, mx.array],
 ) -> None:
     """Before any heavy work: every parameter present with its configured shape."""
     peeked: dict[str, mx.array] = {}
     for names in units:
         try:
-            peeked.update(family.sanitize(model, layout.normalize(src.peek(names))))
+            normalized = layout.normalize(src.peek(names))
+            peeked.update(family.sanitize(model, normalized, lent))
         except KeyError as e:  # sanitize stacks per-expert tensors by name
             raise SourceError(
                 f"Checkpoint is missing tensor {e.args[0]}; download the complete "
@@ -318,9 +321,10 @@ def _prepare(
     layout: Layout,
     names: list[str],
     dtype: mx.Dtype,
+    lent: dict[str, mx.array],
 ) -> dict[str, mx.array]:
     """One unit's tensors, sanitized to mlx-lm names and cast as mlx_lm.convert does."""
-    weights = family.sanitize(model, layout.normalize(src.take(names)))
+    weights = family.sanitize(model, layout.normalize(src.take(names)), lent)
     cast = getattr(model, "cast_predicate", lambda _: True)
     return {
         k: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v

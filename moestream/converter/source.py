@@ -35,6 +35,8 @@ TOKENIZER_FILES = [
 TOKENIZER_GLOBS = ["*.tiktoken"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+# gpt-oss repos keep a second copy of the weights, in another layout, here.
+HUB_IGNORE = ["original/*"]
 
 
 class SourceError(ValueError):
@@ -59,6 +61,16 @@ class Source:
     def take(self, names: list[str]) -> dict[str, mx.array]:
         """Lazy arrays for `names`, forgotten here so memory goes with the caller."""
         return {n: self._file(self.files[n]).pop(n) for n in names}
+
+    def lend(self, names: list[str]) -> dict[str, mx.array]:
+        """Lazy arrays for `names` from a fresh open: never the objects `take`
+        hands out, so holding them never keeps evaluated data alive."""
+        opened: dict[Path, dict[str, mx.array]] = {}
+        for n in names:
+            path = self.files[n]
+            if path not in opened:
+                opened[path] = mx.load(str(path))
+        return {n: opened[self.files[n]][n] for n in names}
 
     def prefetch(self, names: list[str]) -> None:
         """Start reading `names` (the next layer) into the page cache, in the
@@ -124,7 +136,10 @@ def resolve(source: str, revision: str | None = None) -> tuple[Path, str | None]
     log.info("downloading %s (revision %s)", source, revision or "default")
     try:
         local = snapshot_download(
-            source, revision=revision, allow_patterns=HUB_PATTERNS
+            source,
+            revision=revision,
+            allow_patterns=HUB_PATTERNS,
+            ignore_patterns=HUB_IGNORE,
         )
     except Exception as e:  # hub errors are many and specific; keep their text
         raise SourceError(f"Cannot download {source}: {e}") from e

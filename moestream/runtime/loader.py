@@ -23,6 +23,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 from ..families import (
     build_model,
     cast_floating,
+    get_family,
     layer_index,
     module_at,
     quantize_as_configured,
@@ -182,7 +183,7 @@ def _chain_prefetch(
 ) -> None:
     """Give each MoE layer the next one's router, to predict its experts early."""
     ordered = sorted(streaming.items(), key=lambda kv: layer_index(kv[0]))
-    k = int(config.get("num_experts_per_tok", 1)) + extra
+    k = get_family(config).top_k(config) + extra
     for (_, layer), (path, nxt) in itertools.pairwise(ordered):
         predict = router_predictor(module_at(model, path.rpartition(".")[0]), k)
         if predict is not None:
@@ -196,11 +197,14 @@ def router_predictor(block: nn.Module, k: int) -> Callable | None:
     )
     if not callable(gate):
         return None
+    bias = block.get("e_score_correction_bias")  # minimax ranks biased sigmoids
 
     def predict(x: mx.array) -> mx.array:
         out = gate(x)
         if isinstance(out, tuple):  # gates that route themselves: (inds, scores)
             return out[0]
+        if bias is not None:
+            out = mx.sigmoid(out.astype(mx.float32)) + bias
         n = min(k, out.shape[-1])
         return mx.argpartition(-out, kth=n - 1, axis=-1)[..., :n]
 
@@ -232,6 +236,11 @@ def budget_for(path: str | Path, capacity: int, context: int = 4096) -> int:
     )
     unreserved = plan.total - plan.reserve + RESERVE_BYTES
     return math.ceil(1.01 * unreserved / (1 - RESERVE_FRACTION))
+
+
+def _text_config(config: dict) -> dict:
+    """Vision-language checkpoints (qwen3_5_moe) keep the text model's sizes apart."""
+    return {**config, **config.get("text_config", {})}
 
 
 def _bound_allocators(plan: MemoryPlan) -> None:
@@ -316,10 +325,12 @@ def plan_memory(
     budget: int | None,
     cache_experts: int | None,
 ) -> MemoryPlan:
+    top_k = get_family(config).top_k(config)
+    config = _text_config(config)
     num_experts = max(layer.num_experts for layer in manifest.layers)
-    top_k = int(config.get("num_experts_per_tok", 1))
     slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
-    kv, act = _kv_bytes(config, context, compute), _activation_bytes(config, context)
+    kv = _kv_bytes(config, context, compute)
+    act = _activation_bytes(config, context, top_k)
     staging = max(layer.record_nbytes for layer in manifest.layers)
     if cache_experts is None and budget is None:
         budget = int(0.8 * _physical_memory())
@@ -386,13 +397,14 @@ def _kv_bytes(config: dict, context: int, compute: mx.Dtype) -> int:
     return 2 * layers * kv_heads * head_dim * steps * compute.size
 
 
-def _activation_bytes(config: dict, context: int) -> int:
+def _activation_bytes(config: dict, context: int, k: int) -> int:
     """Transient memory of a prefill chunk, in float32: attention scores, the
-    routed rows of the MoE, a few hidden-size buffers, and the logits."""
+    routed rows (`k` per token) of the MoE, a few hidden-size buffers, and the
+    logits."""
     tokens = min(PREFILL_STEP, context)
     heads = config.get("num_attention_heads", 1)
-    k = config.get("num_experts_per_tok", 1)
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
+    inter = max(inter) if isinstance(inter, list) else inter  # hunyuan: per layer
     hidden = config["hidden_size"]
     per_token = heads * tokens + k * (3 * inter + hidden) + 8 * hidden
     return 4 * (tokens * per_token + 2 * config.get("vocab_size", 0))
