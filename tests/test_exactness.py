@@ -50,6 +50,17 @@ def test_prefill_and_decode_logits_bit_identical(
     assert (s.prefetched > 0) == prefetch
 
 
+def test_whole_call_groups_are_exact(converted, reference):
+    """The GPU's grouped prefill (whole calls + a spare slot), run on the CPU."""
+    model, _ = moestream.load(converted, cache_experts=3, whole_groups=True)
+    ours, theirs = (
+        logits_stepwise(model, PROMPT, 4),
+        logits_stepwise(reference, PROMPT, 4),
+    )
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
+    assert moestream.stats(model).grouped_calls > 0
+
+
 def test_plan_memory_splits_the_budget(converted, monkeypatch):
     from mlx_lm.utils import load_config
 

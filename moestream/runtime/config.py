@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 # KV cache and activations are sized for this many tokens unless told otherwise.
 DEFAULT_CONTEXT = 4096
 
@@ -29,6 +31,10 @@ class RuntimeConfig:
         recall for some wasted reads (the disk is idle most of a token). Cold
         decode at 12.5 % on the small synthetic model: 0.85x resident with 0,
         0.95x with 2, 0.86x with 4.
+    whole_groups: run each group of a prefill that routes to more experts than
+        slots as the resident model's whole call, with other pairs sent to a
+        spare zero slot (one more slot per layer). Default: on a GPU, whose
+        gather kernels choose their algorithm by the rows of a call.
     record_trace: keep every routed expert id in the stats (benchmarks).
     """
 
@@ -40,4 +46,11 @@ class RuntimeConfig:
     policy: str = "lrfu"
     prefetch: bool = True
     prefetch_extra: int = 2
+    whole_groups: bool | None = None
     record_trace: bool = False
+
+    @property
+    def spare_slot(self) -> bool:
+        if self.whole_groups is None:
+            return mx.default_device() != mx.cpu
+        return self.whole_groups

@@ -65,7 +65,7 @@ class MemoryPlan:
     dense: int
     kv_cache: int
     activations: int
-    staging: int  # one record being widened into float slots
+    staging: int  # a record being widened (+ the spare slots of whole groups)
     reserve: int  # allocator slack and fragmentation outside MLX's accounting
     slot_bytes: int  # one slot in every MoE layer
     capacity: int
@@ -147,6 +147,7 @@ def load(
         cfg.context,
         parse_size(budget) if budget is not None else None,
         cfg.cache_experts,
+        cfg.spare_slot,
     )
     log.info(plan.describe())
     if plan.budget is not None:
@@ -165,6 +166,7 @@ def load(
             stats,
             outstanding,
             cfg.policy,
+            cfg.spare_slot,
         )
         replace_module(model, spath, streaming[spath])
     if cfg.prefetch:
@@ -324,6 +326,7 @@ def plan_memory(
     context: int,
     budget: int | None,
     cache_experts: int | None,
+    spare_slot: bool = False,
 ) -> MemoryPlan:
     top_k = get_family(config).top_k(config)
     config = _text_config(config)
@@ -332,6 +335,7 @@ def plan_memory(
     kv = _kv_bytes(config, context, compute)
     act = _activation_bytes(config, context, top_k)
     staging = max(layer.record_nbytes for layer in manifest.layers)
+    staging += slot if spare_slot else 0  # the spare zero slot of whole groups
     if cache_experts is None and budget is None:
         budget = int(0.8 * _physical_memory())
     reserve = RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))

@@ -52,6 +52,7 @@ class StreamingSwitchGLU(nn.Module):
         stats: RuntimeStats,
         outstanding: Outstanding,
         policy: str = "lrfu",
+        spare_slot: bool = False,
     ):
         super().__init__()
         # Underscored: not parameters, so load_weights and casts leave them alone.
@@ -63,6 +64,8 @@ class StreamingSwitchGLU(nn.Module):
         self._float_dtype = float_dtype
         cap = min(capacity, layer.num_experts)
         self._pool = SlotPool(cap, layer.num_experts, policy)
+        # One zero slot past the pool for whole-call groups (_grouped_whole).
+        self._spare = cap if spare_slot else None
         self._targets = self._allocate_slots()
         self._filler = SlotFiller(store, layer, [m[n] for m, n in self._targets])
         # Prefetch: the next MoE layer and its router's prediction from our input.
@@ -96,7 +99,8 @@ class StreamingSwitchGLU(nn.Module):
                 if seg.dtype in FLOAT_DTYPES
                 else getattr(mx, seg.dtype)
             )
-            module[name] = mx.zeros((self.capacity, *seg.shape), dtype)
+            rows = self.capacity + (self._spare is not None)
+            module[name] = mx.zeros((rows, *seg.shape), dtype)
             targets.append((module, name))
         params = {
             f"{p}.{n}"
@@ -181,6 +185,8 @@ class StreamingSwitchGLU(nn.Module):
     ) -> mx.array:
         """More routed experts than slots (prefill): run them in slot-sized groups."""
         self._stats.grouped_calls += 1
+        if self._spare is not None:
+            return self._grouped_whole(x, experts, unique)
         *lead, k = experts.shape
         xs = x.reshape(-1, x.shape[-1])
         flat = experts.reshape(-1)
@@ -190,28 +196,30 @@ class StreamingSwitchGLU(nn.Module):
             group = unique[start : start + self.capacity]
             lut = self._load(group, tokens=flat.size // k if start == 0 else 0)
             pairs = order[np.isin(flat[order], group)]
-            pairs = pairs[np.argsort(lut[flat[pairs]], kind="stable")]
-            out = self._rows(xs[mx.array(pairs // k)], lut[flat[pairs]], flat.size)
+            local = mx.array(lut[flat[pairs]])[:, None]
+            out = self._inner(xs[mx.array(pairs // k)], local)  # (n, 1, D)
             mx.eval(out)  # the next group overwrites these slots
             picked.append(pairs)
-            outs.append(out)
+            outs.append(out[:, 0])
         inverse = np.empty(flat.size, np.int64)
-        # (rows, D) per group, back in (token, k) order
         inverse[np.concatenate(picked)] = np.arange(flat.size)
         y = mx.concatenate(outs)[mx.array(inverse)]
         return y.reshape(*lead, k, y.shape[-1])
 
-    def _rows(self, x: mx.array, slots: np.ndarray, batch: int) -> mx.array:
-        """SwitchGLU on (n, D) rows sorted by slot, with the kernels mlx-lm picks
-        for the whole batch of `batch` (token, expert) pairs: GPU kernels for
-        sorted and unsorted indices round differently, so a group must use the
-        same kind as the resident model's single call."""
-        inner = self._inner
-        if batch < 64:  # mlx-lm's SwitchGLU sorts from 64 pairs up
-            return inner(x, mx.array(slots)[:, None])[:, 0]
-        idx = mx.array(slots)
-        x = mx.expand_dims(x, -2)  # (n, 1, D), as after mlx-lm's _gather_sort
-        up = inner.up_proj(x, idx, sorted_indices=True)
-        gate = inner.gate_proj(x, idx, sorted_indices=True)
-        y = inner.down_proj(inner.activation(up, gate), idx, sorted_indices=True)
-        return y[:, 0]
+    def _grouped_whole(
+        self, x: mx.array, experts: np.ndarray, unique: np.ndarray
+    ) -> mx.array:
+        """Groups as whole calls: GPU kernels pick their algorithm by the rows
+        of a call, so each group runs the resident model's exact call, with the
+        pairs of other groups sent to a spare zero slot and masked out."""
+        y = None
+        for start in range(0, unique.size, self.capacity):
+            group = unique[start : start + self.capacity]
+            tokens = experts.size // experts.shape[-1] if start == 0 else 0
+            lut = self._load(group, tokens)
+            member = np.isin(experts, group)
+            slots = np.where(member, lut[experts], self._spare)
+            out = self._inner(x, mx.array(slots))
+            y = out if y is None else mx.where(mx.array(member)[..., None], out, y)
+            mx.eval(y)  # the next group overwrites these slots
+        return y
