@@ -235,6 +235,7 @@ def budget_for(path: str | Path, capacity: int, context: int = 4096) -> int:
         context,
         None,
         capacity,
+        RuntimeConfig().spare_slot,
     )
     unreserved = plan.total - plan.reserve + RESERVE_BYTES
     return math.ceil(1.01 * unreserved / (1 - RESERVE_FRACTION))
