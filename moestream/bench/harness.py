@@ -23,7 +23,7 @@ from ..formats.manifest import inside
 from ..runtime.pool import POLICIES
 from .worker import Job
 
-DECODE_PROMPT_TOKENS = 32
+DECODE_PROMPT_TOKENS = 16
 
 
 @dataclass(frozen=True)
