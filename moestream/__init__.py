@@ -9,11 +9,13 @@ from importlib import import_module
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load", "runtime_of", "stats"]
+__all__ = ["__version__", "load", "runtime_of", "stats", "verify"]
 
 
 def __getattr__(name: str) -> Any:
     # The runtime is imported on first use, so the converter never loads it.
     if name in ("load", "runtime_of", "stats"):
         return getattr(import_module(".runtime", __name__), name)
+    if name == "verify":
+        return import_module(".formats.verify", __name__).verify
     raise AttributeError(f"module 'moestream' has no attribute {name!r}")

@@ -1,12 +1,17 @@
-"""moestream COMMAND: convert, run (and the same as convert-moe / run-moe)."""
+"""moestream COMMAND: convert, run, bench, verify (convert/run as convert-moe / run-moe)."""
 
 from __future__ import annotations
+
+import sys
 
 import click
 
 from .bench.cli import bench as bench_cmd
 from .converter.cli import main as convert_cmd
+from .errors import user_errors
+from .formats.verify import verify
 from .runtime.cli import main as run_cmd
+from .units import human_bytes
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,9 +19,32 @@ def main() -> None:
     """Run Mixture-of-Experts models whose experts do not fit in memory."""
 
 
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model_dir", metavar="OUT", type=click.Path())
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def verify_cmd(model_dir: str, quiet: bool) -> None:
+    """Check every checksum, header and size of a converted model OUT.
+
+    Exit status 0 when intact, 1 when anything is wrong (each problem is named).
+    """
+    report = user_errors(lambda: verify(model_dir, progress=not quiet))
+    for problem in report.problems:
+        click.echo(f"BAD {problem}")
+    summary = (
+        f"{report.layers} layers, {report.experts} experts, "
+        f"{human_bytes(report.bytes_read)} of blobs checked"
+    )
+    if report.ok:
+        click.echo(f"OK {model_dir}: {summary}")
+        return
+    click.echo(f"FAILED {model_dir}: {len(report.problems)} problems; {summary}")
+    sys.exit(1)
+
+
 main.add_command(convert_cmd, "convert")
 main.add_command(run_cmd, "run")
 main.add_command(bench_cmd, "bench")
+main.add_command(verify_cmd, "verify")
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ def parse_size(size: int | str) -> int:
         unit = text[-1:] if text[-1:] in SIZE_UNITS else ""
         try:
             n = int(float(text[: len(text) - len(unit)]) * SIZE_UNITS[unit])
-        except ValueError:
+        except (ValueError, OverflowError):  # "inf" overflows int()
             raise ValueError(
                 f"Cannot read size {size!r}; write a number with K, M, G or T, e.g. 8G."
             ) from None

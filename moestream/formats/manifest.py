@@ -26,6 +26,8 @@ CHECKSUM_ALGORITHM = "crc32"
 # A manifest larger than this is not a manifest.
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILE_BYTES = 1 << 46
+# Far beyond any model; keeps every header field inside its 32-bit slot.
+MAX_LAYERS = 1 << 16
 
 DTYPE_SIZES = {
     "uint8": 1,
@@ -265,8 +267,8 @@ def validate(m: Manifest, directory: Path) -> None:
     seen_layers, seen_files = set(), set()
     for layer in m.layers:
         where = f"layer {layer.layer}"
-        if layer.layer < 0 or layer.layer in seen_layers:
-            raise FormatError(f"Layer index {layer.layer} is negative or repeated.")
+        if not 0 <= layer.layer < MAX_LAYERS or layer.layer in seen_layers:
+            raise FormatError(f"Layer index {layer.layer} is out of range or repeated.")
         if layer.file in seen_files:
             raise FormatError(f"{where}: blob {layer.file} is shared with a layer.")
         seen_layers.add(layer.layer)
