@@ -1,4 +1,4 @@
-"""moestream COMMAND: convert, run, bench, verify (convert/run as convert-moe / run-moe)."""
+"""moestream COMMAND: convert, run, bench, verify (as convert-moe, run-moe too)."""
 
 from __future__ import annotations
 

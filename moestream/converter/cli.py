@@ -32,6 +32,11 @@ from .pack import DTYPES, convert
 )
 @click.option("--revision", default=None, help="Hub revision (branch, tag, commit).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Finish an interrupted conversion in OUT.partial, reusing verified layers.",
+)
 def main(
     source: str,
     out: str,
@@ -40,6 +45,7 @@ def main(
     dtype: str | None,
     revision: str | None,
     force: bool,
+    resume: bool,
 ) -> None:
     """Convert SOURCE (hub repo id or local directory) into a moestream model OUT."""
     summary = user_errors(
@@ -51,6 +57,7 @@ def main(
             dtype=dtype,
             revision=revision,
             force=force,
+            resume=resume,
         )
     )
     for line in summary.lines():

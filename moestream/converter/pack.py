@@ -10,6 +10,7 @@ experts to the layer's blob and keep the rest for the dense safetensors.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
 import math
@@ -49,6 +50,7 @@ from ..formats import (
 from ..formats.manifest import PAGE_SIZE
 from ..units import human_bytes, peak_rss
 from .layouts import Layout, detect
+from .resume import Journal, ResumeError, fingerprint, partial_dir
 from .source import Source, SourceError, group_by_layer, open_source
 
 log = logging.getLogger(__name__)
@@ -123,15 +125,24 @@ def convert(
     revision: str | None = None,
     force: bool = False,
     progress: bool = True,
+    resume: bool = False,
 ) -> ConvertSummary:
     """Convert `source` (hub id or directory) into a moestream directory `out`.
 
     `q_group_size` defaults to 64, or to the source's for an MLX-quantized
     checkpoint, whose bits are also the default recipe (see layouts.py).
+    The work happens in `OUT.partial/`, renamed to `out` at the end. With
+    `resume`, an interrupted conversion there is finished, reusing its
+    finished layers whose checksums verify.
     """
     out = Path(out)
     Recipe.parse(bits, q_group_size or 64)  # a typo fails before any download
     _check_destination(out, force)
+    if partial_dir(out).exists() and not resume:
+        raise ResumeError(
+            f"{partial_dir(out)} holds an interrupted conversion; pass --resume to "
+            "finish it, or remove it to start over."
+        )
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"Unknown --dtype {dtype}; use one of {', '.join(DTYPES)}.")
     src = open_source(source, revision)
@@ -143,16 +154,20 @@ def convert(
     dtype = dtype or layout.default_dtype() or source_dtype(src.config)
     layout.dtype = getattr(mx, dtype)
     _check_recipe(recipe, model)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    partial = partial_dir(out)
+    journal, done = Journal.open(partial, fingerprint(src, recipe, dtype), resume)
     try:
-        (tmp / "experts").mkdir(parents=True)
         summary = _convert_into(
-            src, family, model, layout, recipe, dtype, tmp, progress
+            src, family, model, layout, recipe, dtype, partial, progress, journal, done
         )
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        journal.finish()
+        _publish(partial, out)
+    except BaseException as e:
+        kept = journal.abandon()
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ConvertError(
+                _disk_full(e, partial, kept, estimate_output_bytes(model, recipe))
+            ) from e
         raise
     for note in summary.notes:
         log.info("%s", " ".join(note.split()))
@@ -163,6 +178,42 @@ def convert(
         seconds=time.perf_counter() - start,
         peak_rss=peak_rss(),
     )
+
+
+def _disk_full(e: OSError, partial: Path, kept: bool, estimate: int) -> str:
+    free = shutil.disk_usage(partial.parent).free
+    where = e.filename or partial
+    tail = (
+        f"finished layers are kept in {partial}: free space and rerun with --resume, "
+        "or remove it"
+        if kept
+        else "nothing was kept"
+    )
+    return (
+        f"No space left on device writing {where}: the output needs about "
+        f"{human_bytes(estimate)}, {human_bytes(free)} is free on "
+        f"{partial.parent}; {tail}."
+    )
+
+
+def estimate_output_bytes(model: nn.Module, recipe: Recipe) -> int:
+    """About how many bytes the converted model takes (weights, scales, biases)."""
+    params = _module_quantization(model, recipe)
+    total = 0
+    for path, module in model.named_modules():
+        q = params(path, module)
+        for name, w in module.items():
+            if not isinstance(w, mx.array):
+                continue
+            if q is not None and name == "weight":
+                q = q if isinstance(q, dict) else recipe.dense.to_mlx()
+                total += w.size * q["bits"] // 8 + 2 * 2 * w.size // q["group_size"]
+            else:
+                total += w.size * 2
+    for switch in switch_modules(model).values():  # records padded to whole pages
+        experts = max(v.shape[0] for _, v in tree_flatten(switch.parameters()))
+        total += PAGE_SIZE + experts * PAGE_SIZE // 2
+    return total
 
 
 def _check_destination(out: Path, force: bool) -> None:
@@ -227,6 +278,8 @@ def _convert_into(
     dtype: str,
     tmp: Path,
     progress: bool,
+    journal: Journal,
+    done: dict[int, ExpertLayer],
 ) -> ConvertSummary:
     layers, rest = group_by_layer(list(src.files), family.layer_of)
     units = [*layers.values(), rest]
@@ -237,20 +290,23 @@ def _convert_into(
     predicate = _module_quantization(model, recipe, layout.quantizes_dense())
     quantization: dict = recipe.dense.to_mlx()
     dense = _DenseWriter(tmp)
-    entries = []
+    entries = list(done.values())
+    # Finished layers' experts stay lazy, never read: only their dense part is redone.
+    skip = tuple(f"{p}." for p, layer in switches.items() if layer in done)
     for i, names in enumerate(
         tqdm(units, desc="layers", unit="layer", disable=not progress)
     ):
         if i + 1 < len(units):
             src.prefetch(units[i + 1])
         weights = _prepare(src, family, model, layout, names, getattr(mx, dtype), lent)
-        out = _quantize_unit(weights, modules, predicate, quantization, layout)
+        out = _quantize_unit(weights, modules, predicate, quantization, layout, skip)
         del weights
         mx.eval(out)
         for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
             experts = _pop_prefixed(out, spath)
             if experts:
                 entries.append(_write_layer(tmp, spath, layer, experts, quantization))
+                journal.record(entries[-1])
         dense.add(out)
     dense_files = dense.close()
     manifest = Manifest(
@@ -363,6 +419,7 @@ def _quantize_unit(
     predicate: Callable,
     quantization: dict,
     layout: Layout,
+    skip: tuple[str, ...] = (),
 ) -> dict[str, mx.array]:
     by_module: dict[str, dict[str, mx.array]] = defaultdict(dict)
     for key, w in weights.items():
@@ -372,20 +429,25 @@ def _quantize_unit(
     for mpath, params in sorted(by_module.items()):
         module = modules[mpath]
         q = predicate(mpath, module)
+        # a resumed layer's experts are on disk: record their spec, compute nothing
+        done = f"{mpath}.".startswith(skip)
         if "scales" in params:  # quantized in the source: kept, or dequantized
             params, kept = layout.keep_or_dequantize(mpath, module, params, q)
             if kept is not None:
                 base = {k: quantization[k] for k in kept}
                 if isinstance(q, dict) or kept != base:
                     quantization[mpath] = kept
-                out.update({f"{mpath}.{k}": v for k, v in params.items()})
+                if not done:
+                    out.update({f"{mpath}.{k}": v for k, v in params.items()})
                 continue
+        if isinstance(q, dict):
+            quantization[mpath] = q
+        if done:
+            continue
         if q is None:
             out.update({f"{mpath}.{k}": v for k, v in params.items()})
             continue
-        if isinstance(q, dict):
-            quantization[mpath] = q
-        else:
+        if not isinstance(q, dict):
             q = {k: quantization[k] for k in ("group_size", "bits", "mode")}
         m = copy.copy(module)
         m.update(params)
@@ -462,17 +524,13 @@ class _DenseWriter:
         if not self.pending:
             return
         name = f"dense-{len(self.shards) + 1:05d}.safetensors"
-        mx.save_safetensors(str(self.directory / name), self.pending, {"format": "mlx"})
+        _save_safetensors(self.directory / name, self.pending)
         self.shards.append({k: name for k in self.pending})
         self.pending = {}
 
     def close(self) -> list[str]:
         if not self.shards:
-            mx.save_safetensors(
-                str(self.directory / "dense.safetensors"),
-                self.pending,
-                {"format": "mlx"},
-            )
+            _save_safetensors(self.directory / "dense.safetensors", self.pending)
             return ["dense.safetensors"]
         self._flush()
         weight_map = {k: v for shard in self.shards for k, v in shard.items()}
@@ -484,6 +542,13 @@ class _DenseWriter:
             json.dumps(index, indent=1) + "\n"
         )
         return sorted(set(weight_map.values()))
+
+
+def _save_safetensors(path: Path, arrays: dict[str, mx.array]) -> None:
+    # Through a Python file: a full disk raises OSError(ENOSPC), not a bare
+    # RuntimeError as MLX's own file writer does.
+    with open(path, "wb") as f:
+        mx.save_safetensors(f, arrays, {"format": "mlx"})
 
 
 def _write_config(tmp: Path, config: dict, quantization: dict) -> None:

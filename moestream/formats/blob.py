@@ -80,8 +80,19 @@ def write_blob(path: Path, layer: ExpertLayer, records: Iterable[bytes]) -> list
     Returns the checksum of each record, in expert order.
     """
     tmp = path.with_name(path.name + ".tmp")
+    try:
+        sums = _write_records(tmp, layer, records)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. disk full: no partial blob stays behind
+        raise
+    os.replace(tmp, path)
+    return sums
+
+
+def _write_records(
+    tmp: Path, layer: ExpertLayer, records: Iterable[bytes]
+) -> list[str]:
     sums: list[str] = []
-    pad = b""
     with open(tmp, "wb") as f:
         f.write(pack_header(layer))
         for record in records:
@@ -90,15 +101,12 @@ def write_blob(path: Path, layer: ExpertLayer, records: Iterable[bytes]) -> list
                     f"Record of {len(record)} bytes, expected {layer.record_nbytes}."
                 )
             sums.append(checksum(record))
-            pad = b"\x00" * (layer.stride - len(record))
             f.write(record)
-            f.write(pad)
+            f.write(b"\x00" * (layer.stride - len(record)))
         f.flush()
         os.fsync(f.fileno())
     if len(sums) != layer.num_experts:
-        tmp.unlink()
         raise ValueError(f"Wrote {len(sums)} records, expected {layer.num_experts}.")
-    os.replace(tmp, path)
     return sums
 
 

@@ -120,11 +120,15 @@ class Manifest:
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` to a temporary name beside `path`, then rename it."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written stays behind
+        raise
 
 
 def record_layout(
@@ -205,20 +209,7 @@ def _from_dict(d: dict[str, Any]) -> Manifest:
         recipe = Recipe.from_dict(d["recipe"])
     except RecipeError as e:
         raise FormatError(str(e)) from e
-    layers = tuple(
-        ExpertLayer(
-            layer=_int(e["layer"]),
-            module=str(e["module"]),
-            file=str(e["file"]),
-            num_experts=_int(e["num_experts"]),
-            stride=_int(e["stride"]),
-            data_offset=_int(e["data_offset"]),
-            record_nbytes=_int(e["record_nbytes"]),
-            segments=tuple(_segment(s) for s in e["segments"]),
-            checksums=tuple(str(c) for c in e["checksums"]),
-        )
-        for e in d["layers"]
-    )
+    layers = tuple(layer_from_dict(e) for e in d["layers"])
     return Manifest(
         model_type=str(d["model_type"]),
         dtype=str(d["dtype"]),
@@ -230,6 +221,21 @@ def _from_dict(d: dict[str, Any]) -> Manifest:
         checksum_algorithm=str(d["checksum_algorithm"]),
         format=d["format"],
         version=version,
+    )
+
+
+def layer_from_dict(e: dict[str, Any]) -> ExpertLayer:
+    """One `layers` entry of manifest.json (unvalidated: see `validate_layer`)."""
+    return ExpertLayer(
+        layer=_int(e["layer"]),
+        module=str(e["module"]),
+        file=str(e["file"]),
+        num_experts=_int(e["num_experts"]),
+        stride=_int(e["stride"]),
+        data_offset=_int(e["data_offset"]),
+        record_nbytes=_int(e["record_nbytes"]),
+        segments=tuple(_segment(s) for s in e["segments"]),
+        checksums=tuple(str(c) for c in e["checksums"]),
     )
 
 
@@ -274,10 +280,10 @@ def validate(m: Manifest, directory: Path) -> None:
         seen_layers.add(layer.layer)
         seen_files.add(layer.file)
         inside(directory, layer.file)
-        _validate_layer(layer, where)
+        validate_layer(layer, where)
 
 
-def _validate_layer(layer: ExpertLayer, where: str) -> None:
+def validate_layer(layer: ExpertLayer, where: str) -> None:
     if not 0 < layer.num_experts <= 1 << 20:
         raise FormatError(f"{where}: absurd expert count {layer.num_experts}.")
     for name, v in (("stride", layer.stride), ("data_offset", layer.data_offset)):
