@@ -16,7 +16,8 @@ def user_errors(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except (ValueError, OSError) as e:
-        click.echo(f"error: {e}", err=True)
+        # One line, whatever the message: library text may carry newlines.
+        click.echo(f"error: {' '.join(str(e).split())}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

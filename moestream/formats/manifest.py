@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILE_BYTES = 1 << 46
 # Far beyond any model; keeps every header field inside its 32-bit slot.
 MAX_LAYERS = 1 << 16
+
+# A segment is `projection.tensor` (gate_proj.weight), as in the expert module.
+SEGMENT_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 DTYPE_SIZES = {
     "uint8": 1,
@@ -180,12 +184,15 @@ def load_manifest(directory: str | Path) -> Manifest:
             f"{path} is missing; {directory} is not a converted model "
             "(run convert-moe first)."
         )
+    inside(directory, MANIFEST_NAME)  # not a symlink out of the directory
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise FormatError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes.")
     try:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FormatError(f"{path} is not valid JSON ({e}); convert again.") from e
+    except RecursionError:
+        raise FormatError(f"{path} is nested absurdly deep; convert again.") from None
     try:
         manifest = _from_dict(d)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -209,16 +216,16 @@ def _from_dict(d: dict[str, Any]) -> Manifest:
         recipe = Recipe.from_dict(d["recipe"])
     except RecipeError as e:
         raise FormatError(str(e)) from e
-    layers = tuple(layer_from_dict(e) for e in d["layers"])
+    layers = tuple(layer_from_dict(e) for e in _list(d["layers"]))
     return Manifest(
-        model_type=str(d["model_type"]),
-        dtype=str(d["dtype"]),
+        model_type=_str(d["model_type"]),
+        dtype=_str(d["dtype"]),
         recipe=recipe,
         layers=layers,
-        dense_files=tuple(str(f) for f in d["dense_files"]),
+        dense_files=tuple(_str(f) for f in _list(d["dense_files"])),
         source=dict(d.get("source", {})),
         created_by=str(d.get("created_by", "")),
-        checksum_algorithm=str(d["checksum_algorithm"]),
+        checksum_algorithm=_str(d["checksum_algorithm"]),
         format=d["format"],
         version=version,
     )
@@ -228,20 +235,32 @@ def layer_from_dict(e: dict[str, Any]) -> ExpertLayer:
     """One `layers` entry of manifest.json (unvalidated: see `validate_layer`)."""
     return ExpertLayer(
         layer=_int(e["layer"]),
-        module=str(e["module"]),
-        file=str(e["file"]),
+        module=_str(e["module"]),
+        file=_str(e["file"]),
         num_experts=_int(e["num_experts"]),
         stride=_int(e["stride"]),
         data_offset=_int(e["data_offset"]),
         record_nbytes=_int(e["record_nbytes"]),
-        segments=tuple(_segment(s) for s in e["segments"]),
-        checksums=tuple(str(c) for c in e["checksums"]),
+        segments=tuple(_segment(s) for s in _list(e["segments"])),
+        checksums=tuple(_str(c) for c in _list(e["checksums"])),
     )
 
 
 def _int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise FormatError(f"Expected an integer in manifest.json, got {v!r}.")
+        raise FormatError(f"Expected an integer in manifest.json, got {v!r:.80}.")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise FormatError(f"Expected a string in manifest.json, got {v!r:.80}.")
+    return v
+
+
+def _list(v: Any) -> list:
+    if not isinstance(v, list):
+        raise FormatError(f"Expected a list in manifest.json, got {v!r:.80}.")
     return v
 
 
@@ -251,14 +270,14 @@ def _opt_int(v: Any) -> int | None:
 
 def _segment(s: dict[str, Any]) -> Segment:
     return Segment(
-        name=str(s["name"]),
-        dtype=str(s["dtype"]),
-        shape=tuple(_int(x) for x in s["shape"]),
+        name=_str(s["name"]),
+        dtype=_str(s["dtype"]),
+        shape=tuple(_int(x) for x in _list(s["shape"])),
         offset=_int(s["offset"]),
         nbytes=_int(s["nbytes"]),
         bits=_opt_int(s.get("bits")),
         group_size=_opt_int(s.get("group_size")),
-        mode=None if s.get("mode") is None else str(s["mode"]),
+        mode=None if s.get("mode") is None else _str(s["mode"]),
     )
 
 
@@ -319,6 +338,10 @@ def validate_layer(layer: ExpertLayer, where: str) -> None:
 
 
 def _validate_segment(s: Segment, where: str) -> None:
+    if not SEGMENT_NAME.fullmatch(s.name):
+        raise FormatError(
+            f"{where}: segment name {s.name!r:.80} is not projection.tensor."
+        )
     if s.dtype not in DTYPE_SIZES:
         raise FormatError(f"{where}: segment {s.name} has unknown dtype {s.dtype!r}.")
     if s.mode is not None and s.mode not in MODES:
@@ -339,6 +362,8 @@ def _validate_segment(s: Segment, where: str) -> None:
 
 def inside(directory: Path, name: str) -> Path:
     """Resolve `name` under `directory`, refusing anything that escapes it."""
+    if "\x00" in name:
+        raise FormatError(f"File name {name!r} in manifest.json holds a NUL byte.")
     if not name or Path(name).is_absolute() or ".." in Path(name).parts:
         raise FormatError(
             f"File name {name!r} in manifest.json escapes the model "

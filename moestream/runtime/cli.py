@@ -168,7 +168,11 @@ def main(
             mx.random.seed(seed)
         load_manifest(model_dir)  # a clear error before the tokenizer is read
         config = load_config(Path(model_dir))
-        tok = load_tokenizer(Path(model_dir), eos_token_ids=config.get("eos_token_id"))
+        tok = load_tokenizer(
+            Path(model_dir),
+            {"trust_remote_code": False},  # reliability: never run a model's code
+            eos_token_ids=config.get("eos_token_id"),
+        )
         ids = encode_prompt(tok, read_prompt(prompt), ignore_chat_template)
         model, tok = load(
             model_dir,

@@ -32,6 +32,7 @@ from ..families import (
 )
 from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
+from ..formats.verify import check_safetensors
 from ..units import human_bytes, parse_size
 from .config import RuntimeConfig
 from .pool import POLICIES, RuntimeStats
@@ -129,7 +130,9 @@ def load(
     model_config = load_config(directory)
     if tokenizer is None:
         tokenizer = load_tokenizer(
-            directory, eos_token_ids=model_config.get("eos_token_id")
+            directory,
+            {"trust_remote_code": False},  # reliability: never run a model's code
+            eos_token_ids=model_config.get("eos_token_id"),
         )
     process = _process_bytes()
     model = build_model(model_config)
@@ -286,7 +289,13 @@ def dense_weights(directory: Path, manifest: Manifest) -> dict[str, mx.array]:
         f = inside(directory, name)
         if not f.is_file():
             raise FormatError(f"Dense weights {f} are missing; convert again.")
-        weights.update(mx.load(str(f)))
+        # reliability: MLX's reader fails with bare RuntimeErrors; check first.
+        for problem in check_safetensors(directory, name):
+            raise FormatError(f"Dense weights {problem}; convert again.")
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError) as e:
+            raise FormatError(f"Cannot read dense weights {f}: {e}") from e
     return weights
 
 
@@ -300,7 +309,10 @@ def _load_dense(
     try:
         model.load_weights(list(weights.items()) + placeholders, strict=True)
     except ValueError as e:
-        raise FormatError(f"Dense weights do not fit the model: {e}") from e
+        detail = " ".join(str(e).split())  # reliability: MLX lists one per line
+        raise FormatError(
+            f"Dense weights do not fit the model: {detail[:300]}; convert again."
+        ) from e
 
 
 def _expert_params(model: nn.Module) -> dict[str, mx.array]:

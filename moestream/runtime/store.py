@@ -14,8 +14,11 @@ from ..formats.blob import NUMPY_DTYPES
 from ..formats.manifest import inside
 
 
-class ExpertReadError(RuntimeError):
-    """An expert record that cannot be used: the run stops, never computes."""
+class ExpertReadError(OSError):
+    """An expert record that cannot be used: the run stops, never computes.
+
+    An OSError, so the CLIs report it as one line (reliability fix).
+    """
 
 
 class ExpertStore:

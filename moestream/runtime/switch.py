@@ -88,8 +88,12 @@ class StreamingSwitchGLU(nn.Module):
         targets = []
         for seg in self._layer.segments:
             projection, _, name = seg.name.rpartition(".")
-            module = self._inner[projection]
-            if name not in module or tuple(module[name].shape[1:]) != seg.shape:
+            module = self._inner.get(projection)  # reliability: unknown names refused
+            if (
+                not isinstance(module, nn.Module)
+                or not isinstance(module.get(name), mx.array)
+                or tuple(module[name].shape[1:]) != seg.shape
+            ):
                 raise ValueError(
                     f"Layer {self._layer.layer}: segment {seg.name} {seg.shape} does "
                     "not match the model's expert module; convert again."
