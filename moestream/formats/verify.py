@@ -169,7 +169,7 @@ def _check_open_blob(
     on_bytes(len(head))
     if head != pack_header(layer):
         problems.append(f"{where}: header does not match manifest.json")
-    per_chunk = max(1, CHUNK_BYTES // layer.stride)
+    per_chunk = min(layer.num_experts, max(1, CHUNK_BYTES // layer.stride))
     buf = bytearray(per_chunk * layer.stride)
     bad, missing, dirty = [], [], []
     for first in range(0, layer.num_experts, per_chunk):
