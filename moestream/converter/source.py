@@ -142,7 +142,8 @@ def resolve(source: str, revision: str | None = None) -> tuple[Path, str | None]
             ignore_patterns=HUB_IGNORE,
         )
     except Exception as e:  # hub errors are many and specific; keep their text
-        raise SourceError(f"Cannot download {source}: {e}") from e
+        detail = " ".join(str(e).split())  # hub errors span several lines
+        raise SourceError(f"Cannot download {source}: {detail}") from e
     return Path(local), revision
 
 
@@ -185,10 +186,14 @@ def _read_config(path: Path) -> dict:
 def _tensor_files(path: Path) -> tuple[dict[str, Path], dict]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = _weight_map(index)
         files = {}
         for name, fname in weight_map.items():
             f = path / fname
+            if Path(fname).is_absolute() or ".." in Path(fname).parts:
+                raise SourceError(
+                    f"{index.name} names {fname!r}, outside {path}; refusing it."
+                )
             if not f.is_file():
                 raise SourceError(
                     f"Shard {fname} named in {index.name} is missing; download it."
@@ -212,6 +217,18 @@ def _tensor_files(path: Path) -> tuple[dict[str, Path], dict]:
             raise SourceError(f"Cannot read {shard}: {e}.") from e
         files.update(dict.fromkeys(opened[shard], shard))
     return files, opened
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as e:
+        raise SourceError(f"{index} is not a valid index: {e}.") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) for v in weight_map.values()
+    ):
+        raise SourceError(f"{index} has no weight_map of tensor -> file names.")
+    return weight_map
 
 
 def group_by_layer(
