@@ -1,0 +1,152 @@
+"""Randomized eviction stress: every case bit-identical to mlx-lm's resident model.
+
+Each case draws runtime options, a batch of random prompts, a chunking of the
+prefill and a number of decode steps, then compares the logits of every step
+with `mx.array_equal` and the greedy tokens one by one. Models are kept per
+option set and reused across cases, so pools start warm with whatever the
+previous cases left in them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import moestream
+
+# Every runtime option the stress draws from, in one place. A new engine option
+# is one more line here, e.g. "prefetch": [False, True].
+RUNTIME_CHOICES: dict[str, list] = {
+    # 1 is below top-k (2): every decode step runs in groups, evicting experts
+    # that are still routed in the same layer call; 8 holds every expert.
+    "cache_experts": list(range(1, 9)),
+}
+FAST_CASES, SLOW_CASES = 30, 1000
+VOCAB = 300  # below the tiny model's 320
+
+
+@dataclass
+class Case:
+    options: dict
+    prompts: list[list[int]]
+    chunks: list[int]  # prefill split, sizes summing to the prompt length
+    decode_steps: int
+    seed: int = 0
+
+    @classmethod
+    def draw(cls, rng: random.Random, seed: int) -> Case:
+        options = {k: rng.choice(v) for k, v in RUNTIME_CHOICES.items()}
+        length = rng.choice([1, 2, 3, 5, 8, 17, 33, 64, 96, rng.randint(1, 128)])
+        batch = rng.choice([1, 1, 1, 2, 3])
+        prompts = [[rng.randrange(VOCAB) for _ in range(length)] for _ in range(batch)]
+        cuts = sorted(rng.sample(range(1, length), min(length - 1, rng.randint(0, 2))))
+        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
+        return cls(options, prompts, chunks, rng.randint(1, 6), seed)
+
+
+@dataclass
+class Stress:
+    converted: object
+    reference: object
+    models: dict = field(default_factory=dict)
+    cases: int = 0
+    steps: int = 0
+
+    def model(self, options: dict):
+        key = tuple(sorted(options.items()))
+        if key not in self.models:
+            self.models[key] = moestream.load(self.converted, **options)[0]
+        return self.models[key]
+
+    def run(self, case: Case) -> None:
+        ours = self.model(case.options)
+        a = logits_of(ours, case)
+        b = logits_of(self.reference, case)
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert mx.array_equal(x, y).item(), f"{case} differs at step {step}"
+        self.cases += 1
+        self.steps += len(a)
+
+
+def logits_of(model, case: Case) -> list[mx.array]:
+    """Chunked prefill, then greedy decode; logits of the last position each step."""
+    cache = make_prompt_cache(model)
+    tokens, pos, out = mx.array(case.prompts), 0, []
+    for n in case.chunks:
+        logits = model(tokens[:, pos : pos + n], cache=cache)
+        pos += n
+        out.append(logits)
+    for _ in range(case.decode_steps):
+        token = mx.argmax(out[-1][:, -1], axis=-1, keepdims=True)
+        out.append(model(token, cache=cache))
+    mx.eval(out)
+    return out
+
+
+def stress(converted, reference, n: int, seed: int) -> Stress:
+    s = Stress(converted, reference)
+    rng = random.Random(seed)
+    for i in range(n):
+        s.run(Case.draw(rng, i))
+    return s
+
+
+def test_stress_fast(converted, reference) -> None:
+    s = stress(converted, reference, FAST_CASES, seed=1)
+    assert s.cases == FAST_CASES
+    small = [m for k, m in s.models.items() if dict(k)["cache_experts"] < 8]
+    st = [moestream.stats(m) for m in small]
+    assert sum(x.evictions for x in st) > 0 and sum(x.grouped_calls for x in st) > 0
+
+
+@pytest.mark.slow
+def test_stress_slow(converted, reference) -> None:
+    s = stress(converted, reference, SLOW_CASES, seed=2)
+    assert s.cases == SLOW_CASES
+
+
+# ------------------------------------------------------------- adversarial
+
+
+def test_capacity_one_evicts_experts_still_routed(converted, reference) -> None:
+    """One slot, top-2: each decode step loads, uses, evicts and reloads in groups."""
+    case = Case({"cache_experts": 1}, [[5, 9, 200, 17]], [4], decode_steps=12)
+    s = Stress(converted, reference)
+    s.run(case)
+    st = moestream.stats(s.model(case.options))
+    decode_calls = 12 * 2  # steps x MoE layers
+    assert st.grouped_calls >= decode_calls  # every decode call overflowed
+    assert st.evictions >= decode_calls
+
+
+def test_batch_overflows_capacity_in_decode(converted, reference) -> None:
+    """Three sequences x top-2 route up to 6 experts per step into 2 slots."""
+    prompts = [[1, 2, 3], [250, 251, 252], [40, 80, 120]]
+    Stress(converted, reference).run(Case({"cache_experts": 2}, prompts, [3], 8))
+
+
+def test_prefill_chunks_overflow_capacity(converted, reference) -> None:
+    rng = random.Random(7)
+    prompt = [[rng.randrange(VOCAB) for _ in range(120)]]
+    s = Stress(converted, reference)
+    s.run(Case({"cache_experts": 3}, prompt, [50, 1, 69], 3))
+    assert moestream.stats(s.model({"cache_experts": 3})).grouped_calls >= 2
+
+
+def test_interleaved_sessions_share_one_pool(converted, reference) -> None:
+    """Two conversations on one model, steps interleaved: the pool serves both."""
+    model, _ = moestream.load(converted, cache_experts=2)
+    sessions = [[3, 1, 4, 1, 5], [271, 82, 81, 8]]
+    caches = [make_prompt_cache(model) for _ in sessions]
+    ref_caches = [make_prompt_cache(reference) for _ in sessions]
+    tokens = [mx.array([p]) for p in sessions]
+    for _ in range(8):
+        for i in range(len(sessions)):
+            a = model(tokens[i], cache=caches[i])
+            b = reference(tokens[i], cache=ref_caches[i])
+            assert mx.array_equal(a, b).item()
+            tokens[i] = mx.argmax(a[:, -1], axis=-1, keepdims=True)
