@@ -1,0 +1,92 @@
+"""Long generation with bounded memory: pools, staging, threads and RSS stay flat."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+import moestream
+from moestream.runtime.switch import StreamingSwitchGLU
+
+KV_WINDOW = 128  # a rotating KV cache: the KV part itself cannot grow
+WARMUP = 250  # tokens before the first sample: KV full, every slot filled
+
+
+def pool_bytes(model) -> int:
+    """Bytes of every streaming layer's slot arrays (the engine's internals)."""
+    return sum(
+        v.nbytes
+        for _, m in model.named_modules()
+        if isinstance(m, StreamingSwitchGLU)
+        for _, v in tree_flatten(m._inner.parameters())
+    )
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def sample(model) -> dict:
+    rt = moestream.runtime_of(model)
+    return {
+        "pool": pool_bytes(model),
+        "staging": rt.store.staging.nbytes,
+        "threads": threading.active_count(),
+        "stats_fields": len(vars(rt.stats)) + len(rt.stats.per_layer_misses),
+        "active": mx.get_active_memory(),
+        "rss": rss(),
+    }
+
+
+def long_run(converted, reference, tokens: int, every: int) -> list[dict]:
+    model, _ = moestream.load(converted, cache_experts=3)
+    prompt = mx.array([5, 17, 33, 2, 90, 41])
+
+    def steps(m):
+        return generate_step(
+            prompt,
+            m,
+            max_tokens=tokens,
+            max_kv_size=KV_WINDOW,
+            sampler=make_sampler(0.8),
+        )
+
+    samples, ours = [], []
+    mx.random.seed(3)
+    for i, (t, _) in enumerate(steps(model)):
+        ours.append(t)
+        if i + 1 >= WARMUP and (i + 1 - WARMUP) % every == 0:
+            samples.append(sample(model))
+    mx.random.seed(3)
+    theirs = [t for t, _ in steps(reference)]
+    assert len(ours) == tokens and ours == theirs  # exact all the way
+    assert moestream.stats(model).evictions > tokens  # the pool really churned
+    return samples
+
+
+def assert_flat(samples: list[dict]) -> None:
+    first = samples[0]
+    for s in samples[1:]:
+        for key in ("pool", "staging", "threads", "stats_fields"):
+            assert s[key] == first[key], (key, samples)
+        # MLX's buffer cache and malloc arenas breathe a little; no trend allowed
+        assert s["active"] - first["active"] <= 256 << 10, ("active", samples)
+        assert s["rss"] - first["rss"] <= 4 << 20, ("rss", samples)
+
+
+def test_generation_memory_flat_short(converted, reference) -> None:
+    assert_flat(long_run(converted, reference, tokens=450, every=50))
+
+
+@pytest.mark.slow
+def test_generation_2000_tokens_memory_flat(converted, reference) -> None:
+    samples = long_run(converted, reference, tokens=2000, every=250)
+    assert len(samples) == 8
+    assert_flat(samples)
