@@ -109,6 +109,8 @@ def test_resume_redoes_a_damaged_layer(
     with open(blob, "r+b") as f:
         f.seek(40000)
         f.write(b"\xff")
+    (partial_dir(out) / "junk.txt").write_text("stale")  # swept, not published
+    (partial_dir(out) / "experts/layer-007.blob.tmp").write_bytes(b"half")
     written = count_calls(monkeypatch, "_write_layer")
     convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
     assert [args[2] for args in written] == [2]

@@ -55,17 +55,31 @@ def test_every_bad_expert_and_file_is_named(copy: Path) -> None:
     flip(copy / l2.file, 20)  # header field
     flip(copy / "dense.safetensors", 3)  # header length
     problems = verify(copy).problems
-    assert len(problems) == 4, problems
+    assert len(problems) == 5, problems
     text = "\n".join(problems)
     assert "layer-000.blob (layer 0): checksum mismatch in experts 1-2, 6" in text
     assert "layer-002.blob (layer 2): header does not match" in text
     assert "layer-002.blob (layer 2): nonzero padding after experts 6" in text
-    assert "dense.safetensors:" in text
+    assert "dense.safetensors: header size" in text
+    assert "dense.safetensors: checksum mismatch" in text
     r = cli(copy)
     assert r.exit_code == 1
     bad = [line for line in r.output.splitlines() if line.startswith("BAD ")]
-    assert len(bad) == 4 and "FAILED" in r.output.splitlines()[-1]
+    assert len(bad) == 5 and "FAILED" in r.output.splitlines()[-1]
     assert "Traceback" not in r.output
+
+
+def test_dense_config_and_tokenizer_contents_checked(copy: Path) -> None:
+    """A flipped weight byte leaves the safetensors header intact: crc32 finds it."""
+    size = (copy / "dense.safetensors").stat().st_size
+    flip(copy / "dense.safetensors", size - 1000)
+    flip(copy / "tokenizer.json", 50)
+    (copy / "config.json").write_text((copy / "config.json").read_text() + " ")
+    assert sorted(verify(copy).problems) == [
+        "config.json: checksum mismatch",
+        "dense.safetensors: checksum mismatch",
+        "tokenizer.json: checksum mismatch",
+    ]
 
 
 def test_truncated_and_missing_files(copy: Path) -> None:

@@ -47,10 +47,18 @@ from ..formats import (
     stride_for,
     write_blob,
 )
-from ..formats.manifest import PAGE_SIZE
+from ..formats.manifest import MANIFEST_NAME, PAGE_SIZE
+from ..formats.verify import file_checksum
 from ..units import human_bytes, peak_rss
 from .layouts import Layout, detect
-from .resume import Journal, ResumeError, fingerprint, partial_dir
+from .resume import (
+    JOURNAL_NAME,
+    LOCK_NAME,
+    Journal,
+    ResumeError,
+    fingerprint,
+    partial_dir,
+)
 from .source import Source, SourceError, group_by_layer, open_source
 
 log = logging.getLogger(__name__)
@@ -309,6 +317,9 @@ def _convert_into(
                 journal.record(entries[-1])
         dense.add(out)
     dense_files = dense.close()
+    _write_config(tmp, src.config, quantization)
+    for f in src.tokenizer_files():
+        shutil.copyfile(f, tmp / f.name)
     manifest = Manifest(
         model_type=src.config["model_type"],
         dtype=dtype,
@@ -317,15 +328,23 @@ def _convert_into(
         dense_files=tuple(dense_files),
         source={"repo_id": src.repo_id, "revision": src.revision},
         created_by=f"moestream {__version__}",
+        file_checksums=_file_checksums(tmp),
     )
-    _write_config(tmp, src.config, quantization)
-    for f in src.tokenizer_files():
-        shutil.copyfile(f, tmp / f.name)
     manifest.save(tmp)
     summary = _summary(manifest, dense.nbytes, switches, model)
     return replace(
         summary, source_layout=layout.describe(), notes=tuple(layout.notes())
     )
+
+
+def _file_checksums(tmp: Path) -> dict[str, str]:
+    """crc32 of every file beside the blobs (dense, config, tokenizer)."""
+    skip = {MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME}
+    return {
+        f.name: file_checksum(f)
+        for f in sorted(tmp.iterdir())
+        if f.is_file() and f.name not in skip
+    }
 
 
 def _check_coverage(

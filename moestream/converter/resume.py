@@ -90,7 +90,21 @@ class Journal:
             raise
         journal.layers = dict(reusable)
         journal._save()
+        journal._sweep()
         return journal, reusable
+
+    def _sweep(self) -> None:
+        """Remove everything but the reusable blobs: temp files, stale outputs."""
+        keep = {JOURNAL_NAME, LOCK_NAME, "experts"}
+        keep |= {entry.file for entry in self.layers.values()}
+        for path in sorted(self.directory.rglob("*"), reverse=True):
+            name = str(path.relative_to(self.directory))
+            if name in keep:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
     def _lock(self) -> None:
         self._lock_fd = os.open(self.directory / LOCK_NAME, os.O_CREAT | os.O_RDWR)

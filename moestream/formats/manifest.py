@@ -98,6 +98,8 @@ class Manifest:
     dense_files: tuple[str, ...]
     source: dict[str, Any] = field(default_factory=dict)
     created_by: str = ""
+    # crc32 of the other files (dense, config, tokenizer); absent in early v1 output
+    file_checksums: dict[str, str] = field(default_factory=dict)
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
@@ -225,6 +227,7 @@ def _from_dict(d: dict[str, Any]) -> Manifest:
         dense_files=tuple(_str(f) for f in _list(d["dense_files"])),
         source=dict(d.get("source", {})),
         created_by=str(d.get("created_by", "")),
+        file_checksums=_checksum_map(d.get("file_checksums", {})),
         checksum_algorithm=_str(d["checksum_algorithm"]),
         format=d["format"],
         version=version,
@@ -250,6 +253,12 @@ def _int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise FormatError(f"Expected an integer in manifest.json, got {v!r:.80}.")
     return v
+
+
+def _checksum_map(v: Any) -> dict[str, str]:
+    if not isinstance(v, dict):
+        raise FormatError(f"Expected an object in manifest.json, got {v!r:.80}.")
+    return {_str(k): _str(c) for k, c in v.items()}
 
 
 def _str(v: Any) -> str:
@@ -287,7 +296,7 @@ def validate(m: Manifest, directory: Path) -> None:
         raise FormatError(
             f"Unknown checksum algorithm {m.checksum_algorithm!r}; convert again."
         )
-    for f in m.dense_files:
+    for f in (*m.dense_files, *m.file_checksums):
         inside(directory, f)
     seen_layers, seen_files = set(), set()
     for layer in m.layers:

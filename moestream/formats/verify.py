@@ -77,6 +77,12 @@ def verify(directory: str | Path, progress: bool = False) -> VerifyReport:
     report.problems += _check_config(directory)
     for name in manifest.dense_files:
         report.problems += check_safetensors(directory, name)
+    for name, crc in manifest.file_checksums.items():
+        try:
+            if file_checksum(inside(directory, name)) != crc:
+                report.problems.append(f"{name}: checksum mismatch")
+        except OSError as e:
+            report.problems.append(f"{name}: cannot be read ({e})")
     total = sum(layer.file_nbytes for layer in manifest.layers)
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="verify", disable=not progress
@@ -88,6 +94,15 @@ def verify(directory: str | Path, progress: bool = False) -> VerifyReport:
             report.experts += layer.num_experts
             report.bytes_read += layer.file_nbytes
     return report
+
+
+def file_checksum(path: Path) -> str:
+    """crc32 of a whole file, read in large chunks."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc & 0xFFFFFFFF:08x}"
 
 
 def _check_config(directory: Path) -> list[str]:
