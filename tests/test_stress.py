@@ -17,13 +17,16 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
+from moestream.runtime.pool import POLICIES
 
-# Every runtime option the stress draws from, in one place. A new engine option
-# is one more line here, e.g. "prefetch": [False, True].
+# Every runtime option the stress draws from, in one place: a new engine option
+# is one more line here.
 RUNTIME_CHOICES: dict[str, list] = {
     # 1 is below top-k (2): every decode step runs in groups, evicting experts
     # that are still routed in the same layer call; 8 holds every expert.
     "cache_experts": list(range(1, 9)),
+    "prefetch": [False, True],
+    "policy": list(POLICIES),
 }
 FAST_CASES, SLOW_CASES = 30, 1000
 VOCAB = 300  # below the tiny model's 320
@@ -150,3 +153,17 @@ def test_interleaved_sessions_share_one_pool(converted, reference) -> None:
             b = reference(tokens[i], cache=ref_caches[i])
             assert mx.array_equal(a, b).item()
             tokens[i] = mx.argmax(a[:, -1], axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_prefetch_for_experts_evicted_before_use(converted, reference, policy) -> None:
+    """Predictions for the next layer that go unused, or get evicted first, do no
+    harm: prefetch only warms the page cache, slots change only on a miss."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB) for _ in range(9)] for _ in range(2)]
+    options = {"cache_experts": 2, "prefetch": True, "policy": policy}
+    s = Stress(converted, reference)
+    s.run(Case(options, prompts, [4, 5], decode_steps=10))
+    st = moestream.stats(s.model(options))
+    assert st.prefetched > st.prefetched_used  # some predictions were wasted
+    assert st.evictions > 0

@@ -96,8 +96,9 @@ def test_truncated_and_missing_files(copy: Path) -> None:
 
 def test_bad_manifest_and_config_reported(copy: Path) -> None:
     (copy / "config.json").write_text("{")
-    (problem,) = verify(copy).problems
-    assert problem.startswith("config.json: cannot be read")
+    unreadable, changed = sorted(verify(copy).problems)
+    assert unreadable.startswith("config.json: cannot be read")
+    assert changed == "config.json: checksum mismatch"
     d = json.loads((copy / "manifest.json").read_text())
     d["layers"][0]["stride"] = 1000
     (copy / "manifest.json").write_text(json.dumps(d))
