@@ -177,6 +177,12 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("size", ["inf", "nan", "1e400", "-5G"])
+def test_run_absurd_budget(converted: Path, size: str) -> None:
+    r = invoke(run_main, [converted, "-p", "x", "--memory-budget", size])
+    assert_one_line_error(r, "size|Size")
+
+
 def test_run_out_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     assert_one_line_error(invoke(run_main, [tmp_path / "f", "-p", "x"]), "not a dir")

@@ -217,7 +217,9 @@ def test_sigkill_from_outside_then_resume(
     rc = proc.wait()
     if rc == -signal.SIGKILL:
         assert_not_valid(out)
-        convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
+        args = [str(hf_dir), str(out), "--bits", BITS, "--resume"]
+        r = CliRunner().invoke(convert_main, args, catch_exceptions=False)
+        assert r.exit_code == 0, r.output
     assert_identical(out, converted)
 
 

@@ -101,6 +101,7 @@ def stress(converted, reference, n: int, seed: int) -> Stress:
 def test_stress_fast(converted, reference) -> None:
     s = stress(converted, reference, FAST_CASES, seed=1)
     assert s.cases == FAST_CASES
+    print(f"stress: {s.cases} cases, {s.steps} steps, {len(s.models)} option sets")
     small = [m for k, m in s.models.items() if dict(k)["cache_experts"] < 8]
     st = [moestream.stats(m) for m in small]
     assert sum(x.evictions for x in st) > 0 and sum(x.grouped_calls for x in st) > 0
@@ -110,6 +111,7 @@ def test_stress_fast(converted, reference) -> None:
 def test_stress_slow(converted, reference) -> None:
     s = stress(converted, reference, SLOW_CASES, seed=2)
     assert s.cases == SLOW_CASES
+    print(f"stress: {s.cases} cases, {s.steps} steps, {len(s.models)} option sets")
 
 
 # ------------------------------------------------------------- adversarial
