@@ -30,6 +30,10 @@ DTYPE_NAMES = {
 }
 
 
+# Far above any released model (the deepest have about 130 layers).
+MAX_LAYERS = 1024
+
+
 class UnsupportedModelError(ValueError):
     """A checkpoint whose family moestream does not run."""
 
@@ -144,8 +148,35 @@ def get_family(config: dict) -> Family:
 def build_model(config: dict) -> nn.Module:
     """The family's mlx-lm model with lazily initialised (never evaluated) weights."""
     get_family(config)
-    model_class, args_class = _get_classes(config)
-    return model_class(args_class.from_dict(config))
+    _check_layer_count(config)
+    try:
+        model_class, args_class = _get_classes(config)
+        return model_class(args_class.from_dict(config))
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        ArithmeticError,
+        AssertionError,
+    ) as e:
+        # a hostile or broken config.json: mlx-lm's model code fails in many ways
+        detail = " ".join(f"{type(e).__name__} {e}".split())
+        raise UnsupportedModelError(
+            f"config.json does not describe a valid {config['model_type']} model "
+            f"({detail}); check the config."
+        ) from None
+
+
+def _check_layer_count(config: dict) -> None:
+    """mlx-lm builds one Python object per layer: a hostile count exhausts memory."""
+    for c in (config, config.get("text_config")):
+        n = c.get("num_hidden_layers") if isinstance(c, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > MAX_LAYERS:
+            raise UnsupportedModelError(
+                f"config.json asks for {n} layers (at most {MAX_LAYERS} are "
+                "supported); check the config."
+            )
 
 
 def cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:

@@ -280,3 +280,64 @@ def test_fuzz_blob_header(fuzz_dir: Path) -> None:
 
     prop()
     assert counts["refused"] > FUZZ_FAST * 0.9, counts
+
+
+# ------------------------------------------------------------ source configs
+
+CONFIG_FAST, CONFIG_SLOW = 100, 2000
+
+
+@pytest.fixture(scope="module")
+def fuzz_source(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("fuzzsrc") / "src"
+    shutil.copytree(hf_dir, src)
+    return src
+
+
+def fuzz_config(src: Path, original: dict, key: str, value: Any) -> str:
+    """convert-moe on a config with one hostile field: converts, or one line."""
+    from moestream.converter import convert
+
+    out = src.parent / "out"
+    (src / "config.json").write_text(json.dumps({**original, key: value}))
+    try:
+        convert(str(src), out, progress=False)
+        return "converted"
+    except (ValueError, OSError) as e:  # what the CLI prints as one line
+        assert one_line(e), str(e)
+        return "refused"
+    finally:
+        (src / "config.json").write_text(json.dumps(original))
+        for d in (out, out.with_name("out.partial")):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def config_mutations(config: dict):
+    return st.tuples(st.sampled_from(sorted(config)), json_scalars)
+
+
+def test_fuzz_source_config(fuzz_source: Path) -> None:
+    original = json.loads((fuzz_source / "config.json").read_text())
+    outcomes: dict[str, int] = {}
+
+    @settings(max_examples=CONFIG_FAST, **FUZZ_SETTINGS)
+    @given(config_mutations(original))
+    def prop(mutation):
+        r = fuzz_config(fuzz_source, original, *mutation)
+        outcomes[r] = outcomes.get(r, 0) + 1
+
+    prop()
+    assert outcomes.get("refused", 0) > CONFIG_FAST // 4, outcomes
+    print("config fuzz outcomes:", outcomes)
+
+
+@pytest.mark.slow
+def test_fuzz_source_config_slow(fuzz_source: Path) -> None:
+    original = json.loads((fuzz_source / "config.json").read_text())
+
+    @settings(max_examples=CONFIG_SLOW, **{**FUZZ_SETTINGS, "derandomize": False})
+    @given(config_mutations(original))
+    def prop(mutation):
+        fuzz_config(fuzz_source, original, *mutation)
+
+    prop()

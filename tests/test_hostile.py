@@ -149,7 +149,66 @@ def test_manifest_symlink_outside(copy: Path, tmp_path: Path) -> None:
 
 def test_unknown_projection_refused_at_load(copy: Path) -> None:
     edit(copy, lambda d: seg()(d).update(name="evil_proj.weight"))
-    assert_one_line_error(invoke(run_main, [copy, "-p", "x"]), "does not match")
+    assert_one_line_error(invoke(run_main, [copy, "-p", "x"]), "do not match")
+
+
+def test_huge_sparse_blob_refused_before_allocation(copy: Path) -> None:
+    """A consistent manifest and a 1 GiB-per-expert sparse blob (no disk used):
+    refused by shape before any slot or staging memory is sized from it."""
+    import mlx.core as mx
+
+    from moestream.formats import load_manifest
+    from moestream.formats.blob import pack_header
+    from moestream.formats.manifest import record_layout, stride_for
+
+    layer = load_manifest(copy).layers[0]
+    segments, nbytes = record_layout([("gate_proj.weight", "uint8", (1 << 30,), None)])
+    d = json.loads((copy / "manifest.json").read_text())
+    entry = d["layers"][0]
+    entry.update(
+        segments=[dict(s.__dict__) for s in segments],
+        record_nbytes=nbytes,
+        stride=stride_for(nbytes),
+        checksums=["00000000"] * layer.num_experts,
+    )
+    (copy / "manifest.json").write_text(json.dumps(d))
+    big = load_manifest(copy).layers[0]
+    with open(copy / big.file, "wb") as f:
+        f.write(pack_header(big))
+        f.truncate(big.file_nbytes)  # 8 GiB, sparse
+    mx.reset_peak_memory()
+    r = invoke(run_main, [copy, "-p", "x", "--cache-experts", "2"])
+    assert_one_line_error(r, "Layer 0: the blob's 8 experts .* do not match")
+    assert mx.get_peak_memory() < 256 << 20
+
+
+def test_absurd_layer_count_refused(hf_dir: Path, copy: Path, tmp_path: Path) -> None:
+    """mlx-lm builds one object per layer: 2^31 layers would exhaust memory."""
+    src = source_copy(hf_dir, tmp_path)
+    for directory in (src, copy):
+        cfg = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(
+            json.dumps({**cfg, "num_hidden_layers": 2**31 - 1})
+        )
+    r = invoke(convert_main, [src, tmp_path / "out"])
+    assert_one_line_error(r, "asks for 2147483647 layers")
+    r = invoke(run_main, [copy, "-p", "x", "--no-verify"])
+    assert_one_line_error(r, "asks for 2147483647 layers")
+
+
+@pytest.mark.parametrize("name", ["dense.safetensors", "tokenizer.json", "config.json"])
+def test_changed_files_refused_unless_no_verify(copy: Path, name: str) -> None:
+    """A flipped weight or vocabulary byte would compute silently wrong output."""
+    path = copy / name
+    data = bytearray(path.read_bytes())
+    pos = len(data) - 200 if name == "dense.safetensors" else data.index(b'"') + 1
+    data[pos] ^= 0x01
+    path.write_bytes(bytes(data))
+    r = invoke(run_main, [copy, "-p", "x", "-m", "2"])
+    assert_one_line_error(r, f"{name}: checksum mismatch.*--no-verify")
+    if name == "dense.safetensors":  # the bytes still parse: the user may insist
+        r = invoke(run_main, [copy, "-p", "x", "-m", "2", "--no-verify"])
+        assert r.exit_code == 0
 
 
 @pytest.mark.parametrize(
@@ -167,7 +226,11 @@ def test_unknown_projection_refused_at_load(copy: Path) -> None:
 )
 def test_hostile_dense_file(copy: Path, damage, pattern: str) -> None:
     damage(copy / "dense.safetensors")
-    assert_one_line_error(invoke(run_main, [copy, "-p", "x", "-m", "2"]), pattern)
+    r = invoke(run_main, [copy, "-p", "x", "-m", "2"])
+    assert_one_line_error(r, "dense.safetensors: checksum mismatch")
+    # without the checksum, the header checks still refuse it in one line
+    r = invoke(run_main, [copy, "-p", "x", "-m", "2", "--no-verify"])
+    assert_one_line_error(r, pattern)
     assert invoke(moestream_main, ["verify", copy, "-q"]).exit_code == 1
 
 
@@ -242,6 +305,11 @@ def test_remote_tokenizer_code_never_run(
         auto_map={"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]},
     )
     (copy / "tokenizer_config.json").write_text(json.dumps(tc))
+    from moestream.formats.verify import file_checksum
+
+    # a hostile author recomputes the checksum: verification cannot help here
+    crc = file_checksum(copy / "tokenizer_config.json")
+    edit(copy, lambda d: d["file_checksums"].update({"tokenizer_config.json": crc}))
     calls = []
     original = transformers.AutoTokenizer.from_pretrained
 

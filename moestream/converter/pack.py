@@ -241,6 +241,11 @@ def _check_destination(out: Path, force: bool) -> None:
 def _check_recipe(recipe: Recipe, model: nn.Module) -> None:
     """A --bits entry that matches nothing in this model is a mistake, not a no-op."""
     switches = switch_modules(model)
+    if not switches:
+        raise ConvertError(
+            "This config describes no MoE layer (num_hidden_layers, "
+            "mlp_only_layers, decoder_sparse_step?): no experts to stream."
+        )
     projections = sorted(
         {p for m in switches.values() for p in m.children() if hasattr(m[p], "weight")}
     )

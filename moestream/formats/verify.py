@@ -20,7 +20,14 @@ import numpy as np
 from tqdm import tqdm
 
 from .blob import pack_header
-from .manifest import MANIFEST_NAME, ExpertLayer, FormatError, inside, load_manifest
+from .manifest import (
+    MANIFEST_NAME,
+    ExpertLayer,
+    FormatError,
+    Manifest,
+    inside,
+    load_manifest,
+)
 
 # Large sequential reads: the kernel reads ahead, crc32 runs on big buffers.
 CHUNK_BYTES = 16 << 20
@@ -77,12 +84,7 @@ def verify(directory: str | Path, progress: bool = False) -> VerifyReport:
     report.problems += _check_config(directory)
     for name in manifest.dense_files:
         report.problems += check_safetensors(directory, name)
-    for name, crc in manifest.file_checksums.items():
-        try:
-            if file_checksum(inside(directory, name)) != crc:
-                report.problems.append(f"{name}: checksum mismatch")
-        except OSError as e:
-            report.problems.append(f"{name}: cannot be read ({e})")
+    report.problems += file_problems(directory, manifest)
     total = sum(layer.file_nbytes for layer in manifest.layers)
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="verify", disable=not progress
@@ -103,6 +105,41 @@ def file_checksum(path: Path) -> str:
         while chunk := f.read(CHUNK_BYTES):
             crc = zlib.crc32(chunk, crc)
     return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def file_problems(
+    directory: Path,
+    manifest: Manifest,
+    skip: tuple[str, ...] = (),
+    missing_ok: bool = False,
+) -> list[str]:
+    """The files manifest.json has a crc32 of (dense, config, tokenizer) that differ."""
+    problems = []
+    for name, crc in manifest.file_checksums.items():
+        if name in skip:
+            continue
+        try:
+            if file_checksum(inside(directory, name)) != crc:
+                problems.append(f"{name}: checksum mismatch")
+        except FileNotFoundError:
+            if not missing_ok:
+                problems.append(f"{name}: missing")
+        except OSError as e:
+            problems.append(f"{name}: cannot be read ({e})")
+    return problems
+
+
+def check_files(
+    directory: Path, manifest: Manifest, skip: tuple[str, ...] = ()
+) -> None:
+    """Raise FormatError unless every checksummed file is intact (missing ones
+    are left to the readers of each file, which name them)."""
+    problems = file_problems(Path(directory), manifest, skip, missing_ok=True)
+    if problems:
+        raise FormatError(
+            f"{'; '.join(problems)} in {directory}: the files were changed or "
+            "corrupted; convert again (or pass --no-verify)."
+        )
 
 
 def _check_config(directory: Path) -> list[str]:

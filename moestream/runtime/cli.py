@@ -19,6 +19,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 
 from ..errors import user_errors
 from ..formats import load_manifest
+from ..formats.verify import check_files
 from .loader import DTYPES, load, runtime_of, stats
 from .pool import POLICIES
 
@@ -166,7 +167,9 @@ def main(
     def run() -> dict:
         if seed is not None:
             mx.random.seed(seed)
-        load_manifest(model_dir)  # a clear error before the tokenizer is read
+        manifest = load_manifest(model_dir)  # a clear error before the tokenizer
+        if not no_verify:  # config and tokenizer intact (load checks the dense part)
+            check_files(Path(model_dir), manifest, skip=manifest.dense_files)
         config = load_config(Path(model_dir))
         tok = load_tokenizer(
             Path(model_dir),

@@ -32,7 +32,7 @@ from ..families import (
 )
 from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
-from ..formats.verify import check_safetensors
+from ..formats.verify import check_files, check_safetensors
 from ..units import human_bytes, parse_size
 from .config import RuntimeConfig
 from .pool import POLICIES, RuntimeStats
@@ -120,6 +120,8 @@ def load(
     cfg = RuntimeConfig(**{**(config.__dict__ if config else {}), **options})
     directory = Path(path)
     manifest = load_manifest(directory)
+    if cfg.verify:  # dense, config and tokenizer files, before any is used
+        check_files(directory, manifest)
     if cfg.dtype not in DTYPES:
         raise ValueError(f"Unknown dtype {cfg.dtype}; use one of {', '.join(DTYPES)}.")
     if cfg.policy not in POLICIES:
@@ -139,6 +141,7 @@ def load(
     switches = switch_modules(model)
     layers = check_layers(manifest, switches)
     _load_dense(model, directory, manifest, model_config)
+    _check_expert_shapes(switches, layers)
     cast_floating(model, compute)
     budget = cfg.memory_budget
     plan = plan_memory(
@@ -178,6 +181,24 @@ def load(
     model.eval()
     model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
     return model, tokenizer
+
+
+def _check_expert_shapes(
+    switches: dict[str, nn.Module], layers: dict[str, ExpertLayer]
+) -> None:
+    """Before expert memory is sized from the manifest: it holds what the model
+    expects (a hostile manifest with a huge sparse blob is refused here)."""
+    for spath, module in switches.items():
+        layer = layers[spath]
+        params = tree_flatten(module.parameters())
+        want = {k: tuple(v.shape[1:]) for k, v in params}
+        got = {s.name: s.shape for s in layer.segments}
+        if want != got or any(v.shape[0] != layer.num_experts for _, v in params):
+            raise FormatError(
+                f"Layer {layer.layer}: the blob's {layer.num_experts} experts of "
+                f"{sorted(got.items())[:4]} do not match the model's experts "
+                f"{sorted(want.items())[:4]}; convert again."
+            )
 
 
 def _chain_prefetch(
