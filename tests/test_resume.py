@@ -299,3 +299,17 @@ def test_dense_safetensors_write_reports_enospc(tmp_path: Path) -> None:
     with pytest.raises(OSError) as e:
         pack._save_safetensors(tmp_path / "x.safetensors", {"a": mx.zeros((512, 512))})
     assert e.value.errno == errno.ENOSPC
+
+
+def test_concurrent_conversion_into_the_same_out_refused(
+    hf_dir: Path, tmp_path: Path
+) -> None:
+    import fcntl
+
+    out = tmp_path / "out"
+    partial_dir(out).mkdir()
+    with open(partial_dir(out) / ".lock", "w") as held:  # another convert-moe
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ResumeError, match="Another convert-moe is writing"):
+            convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
+    assert partial_dir(out).is_dir() and not out.exists()
