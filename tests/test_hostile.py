@@ -79,7 +79,11 @@ MANIFEST_CASES = {
     ),
     "overflowing data_offset": (
         lambda d: d["layers"][0].update(data_offset=2**63),
-        "absurd blob size",
+        "absurd header page",
+    ),
+    "huge header page": (
+        lambda d: d["layers"][0].update(data_offset=2**32),
+        "absurd header page",
     ),
     "overflowing layer": (lambda d: d["layers"][0].update(layer=2**32), "out of range"),
     "overflowing segment offset": (

@@ -40,6 +40,13 @@ def checksum(data: bytes | memoryview) -> str:
 
 
 def pack_header(layer: ExpertLayer) -> bytes:
+    """The whole header page: `header_bytes` zero-padded to `data_offset`."""
+    head = header_bytes(layer)
+    return head + b"\x00" * (layer.data_offset - len(head))
+
+
+def header_bytes(layer: ExpertLayer) -> bytes:
+    """The header fields and their crc32, without the page's zero padding."""
     head = HEADER.pack(
         MAGIC,
         BLOB_VERSION,
@@ -50,8 +57,7 @@ def pack_header(layer: ExpertLayer) -> bytes:
         layer.data_offset,
         layer.record_nbytes,
     )
-    head += HEADER_CRC.pack(zlib.crc32(head))
-    return head + b"\x00" * (layer.data_offset - len(head))
+    return head + HEADER_CRC.pack(zlib.crc32(head))
 
 
 def pack_record(
@@ -144,7 +150,7 @@ class BlobReader:
         raw = os.pread(self._fd, HEADER.size + HEADER_CRC.size, 0)
         head = HEADER.unpack(raw[: HEADER.size])
         (crc,) = HEADER_CRC.unpack(raw[HEADER.size :])
-        expected = HEADER.unpack(pack_header(self.layer)[: HEADER.size])
+        expected = HEADER.unpack(header_bytes(self.layer)[: HEADER.size])
         if head[0] != MAGIC:
             raise FormatError(f"{self.path} is not a moestream expert blob.")
         if crc != zlib.crc32(raw[: HEADER.size]) or head != expected:

@@ -27,6 +27,8 @@ CHECKSUM_ALGORITHM = "crc32"
 # A manifest larger than this is not a manifest.
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILE_BYTES = 1 << 46
+# The converter writes one PAGE_SIZE header page; allow room to grow, no more.
+MAX_HEADER_BYTES = 1 << 20
 # Far beyond any model; keeps every header field inside its 32-bit slot.
 MAX_LAYERS = 1 << 16
 
@@ -319,6 +321,8 @@ def validate_layer(layer: ExpertLayer, where: str) -> None:
             raise FormatError(
                 f"{where}: {name} {v} is not a positive multiple of {PAGE_SIZE}."
             )
+    if layer.data_offset > MAX_HEADER_BYTES:
+        raise FormatError(f"{where}: absurd header page of {layer.data_offset} bytes.")
     if not 0 < layer.record_nbytes <= layer.stride:
         raise FormatError(
             f"{where}: record size {layer.record_nbytes} does not fit "

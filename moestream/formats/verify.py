@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .blob import pack_header
+from .blob import header_bytes
 from .manifest import (
     MANIFEST_NAME,
     ExpertLayer,
@@ -197,12 +197,38 @@ def check_blob(
     where = f"{layer.file} (layer {layer.layer})"
     try:
         path = inside(directory, layer.file)
-        f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below
+        size = path.stat().st_size
+        # large sequential reads, with a buffer no larger than the file
+        f = open(path, "rb", buffering=max(8192, min(CHUNK_BYTES, size)))  # noqa: SIM115
     except (OSError, FormatError) as e:
         on_bytes(layer.file_nbytes)
         return [f"{where}: cannot be opened ({e})"]
     with f:
         return _check_open_blob(f, layer, where, on_bytes)
+
+
+class _Regions:
+    """Consecutive regions of a file, read in bounded pieces (memory never
+    depends on what the manifest claims): crc32 and all-zero per region."""
+
+    def __init__(self, f, largest: int, on_bytes: Callable[[int], object]):
+        self.f, self.on_bytes = f, on_bytes
+        self.buf = memoryview(bytearray(max(1, min(CHUNK_BYTES, largest))))
+
+    def read(self, n: int, crc: bool = False, zero: bool = False):
+        got, value, zeros = 0, 0, True
+        while got < n:
+            k = self.f.readinto(self.buf[: min(len(self.buf), n - got)])
+            if not k:
+                break
+            piece = self.buf[:k]
+            if crc:
+                value = zlib.crc32(piece, value)
+            if zero and zeros:
+                zeros = not np.frombuffer(piece, np.uint8).any()
+            got += k
+        self.on_bytes(n)
+        return got, f"{value & 0xFFFFFFFF:08x}", zeros
 
 
 def _check_open_blob(
@@ -217,31 +243,22 @@ def _check_open_blob(
         )
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    head = f.read(layer.data_offset)
-    on_bytes(len(head))
-    if head != pack_header(layer):
+    regions = _Regions(f, max(layer.data_offset, layer.stride), on_bytes)
+    want = header_bytes(layer)
+    head = f.read(len(want))
+    _, _, rest_zero = regions.read(layer.data_offset - len(want), zero=True)
+    if head != want or not rest_zero:
         problems.append(f"{where}: header does not match manifest.json")
-    per_chunk = min(layer.num_experts, max(1, CHUNK_BYTES // layer.stride))
-    buf = bytearray(per_chunk * layer.stride)
     bad, missing, dirty = [], [], []
-    for first in range(0, layer.num_experts, per_chunk):
-        count = min(per_chunk, layer.num_experts - first)
-        n = f.readinto(memoryview(buf)[: count * layer.stride])
-        on_bytes(count * layer.stride)
-        records = np.frombuffer(buf, np.uint8, count * layer.stride).reshape(
-            count, layer.stride
-        )
-        for i in range(count):
-            e = first + i
-            if i * layer.stride + layer.record_nbytes > n:
-                missing.append(e)
-                continue
-            crc = f"{zlib.crc32(records[i, : layer.record_nbytes]) & 0xFFFFFFFF:08x}"
-            if crc != layer.checksums[e]:
-                bad.append(e)
-        full = min(count, n // layer.stride)
-        pads = records[:full, layer.record_nbytes :].any(axis=1)
-        dirty += [first + int(i) for i in np.flatnonzero(pads)]
+    pad = layer.stride - layer.record_nbytes
+    for e in range(layer.num_experts):
+        got, crc, _ = regions.read(layer.record_nbytes, crc=True)
+        if got < layer.record_nbytes:
+            missing.append(e)
+        elif crc != layer.checksums[e]:
+            bad.append(e)
+        if not regions.read(pad, zero=True)[2]:
+            dirty.append(e)
     if bad:
         problems.append(f"{where}: checksum mismatch in experts {_ranges(bad)}")
     if missing:
