@@ -21,6 +21,7 @@ from moestream.converter import ConvertError, convert
 from moestream.converter.cli import main as convert_main
 from moestream.converter.resume import ResumeError, partial_dir
 from moestream.formats import FormatError, load_manifest
+from moestream.synthetic import HUB_LAYOUTS
 
 KILLER = Path(__file__).parent / "killed_convert.py"
 
@@ -313,3 +314,45 @@ def test_concurrent_conversion_into_the_same_out_refused(
         with pytest.raises(ResumeError, match="Another convert-moe is writing"):
             convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
     assert partial_dir(out).is_dir() and not out.exists()
+
+
+# ------------------------------------------- every family and source layout
+
+
+def _interrupted_then_resumed(src: Path, tmp_path: Path, monkeypatch, bits) -> None:
+    whole = tmp_path / "whole"
+    convert(str(src), whole, bits=bits, progress=False)
+    out = tmp_path / "out"
+    interrupt_after(monkeypatch, "_write_layer", 2)  # the first MoE layer done
+    with pytest.raises(Interrupt):
+        convert(str(src), out, bits=bits, progress=False)
+    monkeypatch.undo()
+    written = count_calls(monkeypatch, "_write_layer")
+    convert(str(src), out, bits=bits, progress=False, resume=True)
+    moe_layers = len(load_manifest(out).layers)
+    assert len(written) == moe_layers - 1  # the finished layer was reused
+    assert_identical(out, whole)
+
+
+def _family_case(family: str, tmp_path: Path, monkeypatch) -> None:
+    from moestream.synthetic import tiny_model
+
+    src = tiny_model(tmp_path / "hf", family, seed=3)
+    bits = None if family == "gpt_oss" else "down_proj=6"  # MXFP4 kept as shipped
+    _interrupted_then_resumed(src, tmp_path, monkeypatch, bits)
+
+
+@pytest.mark.parametrize("family", sorted(HUB_LAYOUTS))
+def test_resume_byte_identical_per_family(family, tmp_path, monkeypatch) -> None:
+    _family_case(family, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("layout", ["fused", "fp8", "mlx"])
+def test_resume_byte_identical_per_source_layout(
+    hf_dir, layout, tmp_path, monkeypatch
+) -> None:
+    from moestream.synthetic_sources import to_fp8, to_fused, to_mlx
+
+    make = {"fused": to_fused, "fp8": to_fp8, "mlx": to_mlx}[layout]
+    src = make(hf_dir, tmp_path / layout)
+    _interrupted_then_resumed(src, tmp_path, monkeypatch, "down_proj=8")
