@@ -17,7 +17,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
+from moestream.formats import load_manifest
 from moestream.runtime.pool import POLICIES
+from moestream.synthetic import HUB_LAYOUTS
 
 # Every runtime option the stress draws from, in one place: a new engine option
 # is one more line here.
@@ -169,3 +171,36 @@ def test_prefetch_for_experts_evicted_before_use(converted, reference, policy) -
     st = moestream.stats(s.model(options))
     assert st.prefetched > st.prefetched_used  # some predictions were wasted
     assert st.evictions > 0
+
+
+# ------------------------------------------------------------- every family
+
+FAMILY_CASES = 40  # per family, slow run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(set(HUB_LAYOUTS) - {"qwen3_moe"}))
+def test_stress_every_family(family, tmp_path) -> None:
+    """The same random cases on each family's tiny model (shared experts, biases,
+    MXFP4 experts, hybrid attention): zero mismatches."""
+    import json
+
+    from moestream.converter import convert
+    from moestream.formats import Recipe
+    from moestream.reference import resident_model
+    from moestream.synthetic import tiny_model
+
+    src = tiny_model(tmp_path / "hf", family, seed=3)
+    bits = None if family == "gpt_oss" else "down_proj=6"  # MXFP4 kept as shipped
+    convert(str(src), tmp_path / "out", bits=bits, progress=False)
+    reference = resident_model(src, Recipe.parse(bits))
+    vocab = json.loads((src / "config.json").read_text())
+    vocab = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
+    experts = max(layer.num_experts for layer in load_manifest(tmp_path / "out").layers)
+    rng, s = random.Random(family), Stress(tmp_path / "out", reference)
+    for i in range(FAMILY_CASES):
+        case = Case.draw(rng, i)
+        case.options["cache_experts"] = rng.randint(1, experts)
+        case.prompts = [[t % vocab for t in p] for p in case.prompts]
+        s.run(case)
+    assert s.cases == FAMILY_CASES
