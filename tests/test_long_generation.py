@@ -90,3 +90,20 @@ def test_generation_2000_tokens_memory_flat(converted, reference) -> None:
     samples = long_run(converted, reference, tokens=2000, every=250)
     assert len(samples) == 8
     assert_flat(samples)
+
+
+def test_repeated_loads_release_file_descriptors(converted) -> None:
+    """A process that loads models again and again (a server reloading, a test
+    suite) must not run out of descriptors: each blob's fd goes with its model."""
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    model, _ = moestream.load(converted, cache_experts=2)
+    del model
+    before = open_fds()
+    for _ in range(40):
+        model, _ = moestream.load(converted, cache_experts=2)
+        mx.eval(model(mx.array([[1, 2, 3]])))
+        del model
+    assert open_fds() == before  # 2 blobs per load leaked before the fix

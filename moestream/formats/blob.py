@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+import weakref
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -133,10 +134,13 @@ class BlobReader:
                 "convert again."
             )
         self._fd = os.open(self.path, os.O_RDONLY)
+        # closed with the reader even when nobody calls close(): a process that
+        # loads models repeatedly must not run out of file descriptors
+        self._closer = weakref.finalize(self, os.close, self._fd)
         try:
             self._check_size_and_header()
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
     def _check_size_and_header(self) -> None:
@@ -208,7 +212,7 @@ class BlobReader:
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            self._closer()
             self._fd = -1
 
     def __enter__(self) -> BlobReader:
