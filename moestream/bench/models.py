@@ -34,12 +34,11 @@ from ..formats import (
     ExpertLayer,
     Manifest,
     Recipe,
+    layer_layout,
     load_manifest,
-    record_layout,
-    stride_for,
     write_blob,
 )
-from ..formats.manifest import PAGE_SIZE, inside
+from ..formats.manifest import inside
 from ..synthetic import QWEN3_MOE, write_tokenizer
 
 
@@ -156,18 +155,7 @@ def _write_layer(
         spec.append((f"{proj}.weight", "uint32", (o, i * bits // 32), q))
         spec.append((f"{proj}.scales", "bfloat16", (o, i // gs), q))
         spec.append((f"{proj}.biases", "bfloat16", (o, i // gs), q))
-    segments, record_nbytes = record_layout(spec)
-    entry = ExpertLayer(
-        layer=layer,
-        module=spath,
-        file=f"experts/layer-{layer:03d}.blob",
-        num_experts=num_experts,
-        stride=stride_for(record_nbytes),
-        data_offset=PAGE_SIZE,
-        record_nbytes=record_nbytes,
-        segments=segments,
-        checksums=("",) * num_experts,
-    )
+    entry = layer_layout(layer, spath, num_experts, spec)
     records = _records(entry, shapes, pool, rng)
     sums = write_blob(tmp / entry.file, entry, records)
     return ExpertLayer(**{**entry.__dict__, "checksums": tuple(sums)})

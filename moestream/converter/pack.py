@@ -42,9 +42,8 @@ from ..formats import (
     ExpertLayer,
     Manifest,
     Recipe,
+    layer_layout,
     pack_record,
-    record_layout,
-    stride_for,
     write_blob,
 )
 from ..formats.manifest import MANIFEST_NAME, PAGE_SIZE
@@ -494,7 +493,10 @@ def _write_layer(
     tmp: Path, spath: str, layer: int, experts: dict[str, mx.array], quantization: dict
 ) -> ExpertLayer:
     num_experts = next(iter(experts.values())).shape[0]
-    segments, record_nbytes = record_layout(
+    entry = layer_layout(
+        layer,
+        spath,
+        num_experts,
         [
             (
                 name,
@@ -505,19 +507,9 @@ def _write_layer(
                 else None,
             )
             for name, a in experts.items()
-        ]
+        ],
     )
-    entry = ExpertLayer(
-        layer=layer,
-        module=spath,
-        file=f"experts/layer-{layer:03d}.blob",
-        num_experts=num_experts,
-        stride=stride_for(record_nbytes),
-        data_offset=PAGE_SIZE,
-        record_nbytes=record_nbytes,
-        segments=segments,
-        checksums=("",) * num_experts,
-    )
+    segments, record_nbytes = entry.segments, entry.record_nbytes
     arrays = {name: _to_numpy(a) for name, a in experts.items()}
     records = (
         pack_record(segments, record_nbytes, {n: a[e] for n, a in arrays.items()})

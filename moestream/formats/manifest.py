@@ -172,6 +172,27 @@ def stride_for(record_nbytes: int) -> int:
     return max(PAGE_SIZE, _align(record_nbytes, PAGE_SIZE))
 
 
+def layer_layout(
+    layer: int,
+    module: str,
+    num_experts: int,
+    tensors: list[tuple[str, str, tuple[int, ...], dict[str, Any] | None]],
+) -> ExpertLayer:
+    """The blob of one MoE layer: file, segments, stride; checksums still empty."""
+    segments, record_nbytes = record_layout(tensors)
+    return ExpertLayer(
+        layer=layer,
+        module=module,
+        file=f"experts/layer-{layer:03d}.blob",
+        num_experts=num_experts,
+        stride=stride_for(record_nbytes),
+        data_offset=PAGE_SIZE,
+        record_nbytes=record_nbytes,
+        segments=segments,
+        checksums=("",) * num_experts,
+    )
+
+
 # ---------------------------------------------------------------- reading
 
 
