@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,18 @@ def reference(hf_dir: Path, recipe: Recipe):
     from moestream.reference import resident_model
 
     return resident_model(hf_dir, recipe)
+
+
+@pytest.fixture
+def copy(converted: Path, tmp_path: Path) -> Path:
+    """A private copy of the converted model, free to damage."""
+    out = tmp_path / "model"
+    shutil.copytree(converted, out)
+    return out
+
+
+def edit_manifest(out: Path, fn) -> None:
+    path = out / "manifest.json"
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))

@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import edit_manifest
 
 import moestream
 from moestream.converter import ConvertError, SourceError, convert
@@ -92,20 +93,6 @@ def test_conversion_is_deterministic(
     )
     for f in files:
         assert (converted / f).read_bytes() == (again / f).read_bytes(), f
-
-
-@pytest.fixture
-def copy(converted: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "model"
-    shutil.copytree(converted, out)
-    return out
-
-
-def edit_manifest(out: Path, fn) -> None:
-    path = out / "manifest.json"
-    d = json.loads(path.read_text())
-    fn(d)
-    path.write_text(json.dumps(d))
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import BITS
+from conftest import BITS, edit_manifest
 
 from moestream.cli import main as moestream_main
 from moestream.converter.cli import main as convert_main
@@ -30,20 +30,6 @@ def assert_one_line_error(r, pattern: str) -> None:
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error: ") and "Traceback" not in r.output
     assert re.search(pattern, lines[0]), lines[0]
-
-
-@pytest.fixture
-def copy(converted: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "model"
-    shutil.copytree(converted, out)
-    return out
-
-
-def edit(out: Path, fn) -> None:
-    path = out / "manifest.json"
-    d = json.loads(path.read_text())
-    fn(d)
-    path.write_text(json.dumps(d))
 
 
 def seg(i: int = 0, layer: int = 0):
@@ -123,7 +109,7 @@ MANIFEST_CASES = {
 @pytest.mark.parametrize("case", sorted(MANIFEST_CASES))
 def test_hostile_manifest(copy: Path, case: str) -> None:
     mutate, pattern = MANIFEST_CASES[case]
-    edit(copy, mutate)
+    edit_manifest(copy, mutate)
     assert_one_line_error(invoke(run_main, [copy, "-p", "x", "-m", "2"]), pattern)
     r = invoke(moestream_main, ["verify", copy, "-q"])
     assert r.exit_code == 1 and "BAD manifest.json" in r.output
@@ -152,7 +138,7 @@ def test_manifest_symlink_outside(copy: Path, tmp_path: Path) -> None:
 
 
 def test_unknown_projection_refused_at_load(copy: Path) -> None:
-    edit(copy, lambda d: seg()(d).update(name="evil_proj.weight"))
+    edit_manifest(copy, lambda d: seg()(d).update(name="evil_proj.weight"))
     assert_one_line_error(invoke(run_main, [copy, "-p", "x"]), "do not match")
 
 
@@ -313,7 +299,9 @@ def test_remote_tokenizer_code_never_run(
 
     # a hostile author recomputes the checksum: verification cannot help here
     crc = file_checksum(copy / "tokenizer_config.json")
-    edit(copy, lambda d: d["file_checksums"].update({"tokenizer_config.json": crc}))
+    edit_manifest(
+        copy, lambda d: d["file_checksums"].update({"tokenizer_config.json": crc})
+    )
     calls = []
     original = transformers.AutoTokenizer.from_pretrained
 
