@@ -29,13 +29,23 @@ def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
 @pytest.mark.parametrize(
-    "policy, prefetch", [("lrfu", True), ("lru", False), ("lfuda", True)]
+    "policy, prefetch, reads",
+    [
+        ("lrfu", True, "hint"),
+        ("lru", False, "hint"),
+        ("lfuda", True, "hint"),
+        ("lrfu", True, "threads"),
+    ],
 )
 def test_prefill_and_decode_logits_bit_identical(
-    converted, reference, cache_experts, policy, prefetch
+    converted, reference, cache_experts, policy, prefetch, reads
 ):
     model, _ = moestream.load(
-        converted, cache_experts=cache_experts, policy=policy, prefetch=prefetch
+        converted,
+        cache_experts=cache_experts,
+        policy=policy,
+        prefetch=prefetch,
+        prefetch_reads=reads,
     )
     ours = logits_stepwise(model, PROMPT, steps=12)
     theirs = logits_stepwise(reference, PROMPT, steps=12)
@@ -48,6 +58,8 @@ def test_prefill_and_decode_logits_bit_identical(
         assert s.evictions > 0  # the small caches really did evict and reload
         assert s.grouped_calls > 0  # 48 prompt tokens route to more than 5 experts
     assert (s.prefetched > 0) == prefetch
+    if reads == "threads" and cache_experts < 8:
+        assert s.misses_prefetched > 0  # some misses came from the reader ring
 
 
 def test_whole_call_groups_are_exact(converted, reference):

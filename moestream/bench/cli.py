@@ -46,6 +46,13 @@ def _floats(text: str) -> tuple[float, ...]:
     show_default=True,
     help="Experts predicted beyond the router's top-k.",
 )
+@click.option(
+    "--prefetch-reads",
+    type=click.Choice(["hint", "threads"]),
+    default="hint",
+    show_default=True,
+    help="Read ahead with kernel hints or reader threads.",
+)
 @click.option("--no-verify-cost", is_flag=True, help="Skip the no-checksum row.")
 @click.option(
     "--reference",
@@ -65,6 +72,7 @@ def bench(
     policy: str,
     no_prefetch: bool,
     prefetch_extra: int,
+    prefetch_reads: str,
     no_verify_cost: bool,
     reference: str | None,
     as_json: bool,
@@ -83,6 +91,7 @@ def bench(
             policy=policy,
             prefetch=not no_prefetch,
             prefetch_extra=prefetch_extra,
+            prefetch_reads=prefetch_reads,
             verify_cost=not no_verify_cost,
             reference=Path(reference) if reference else None,
         )

@@ -38,6 +38,7 @@ class BenchConfig:
     policy: str = "lrfu"
     prefetch: bool = True
     prefetch_extra: int = 2
+    prefetch_reads: str = "hint"
     verify_cost: bool = True  # one extra row: 25 % cold without checksums
     reference: Path | None = None  # mlx-lm directory of the same weights
 
@@ -85,6 +86,7 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
         policy=cfg.policy,
         prefetch=cfg.prefetch,
         prefetch_extra=cfg.prefetch_extra,
+        prefetch_reads=cfg.prefetch_reads,
         reference=str(cfg.reference) if cfg.reference else None,
     )
     rows = [Row("resident", None, "-", base)]

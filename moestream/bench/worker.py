@@ -27,6 +27,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 from ..families import cast_floating
 from ..formats import load_manifest
 from ..reference import resident_from_converted
+from ..runtime.config import RuntimeConfig
 from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
 from .replay import replay_all
 
@@ -44,6 +45,7 @@ class Job:
     policy: str = "lrfu"
     prefetch: bool = True
     prefetch_extra: int = 2
+    prefetch_reads: str = "hint"
     verify: bool = True
     reference: str | None = None  # an mlx-lm directory of the same weights
     # Sampled, seeded decode: the same tokens in every run (the output is exact),
@@ -66,7 +68,12 @@ def run(job: Job) -> dict:
         runtime = None
     else:
         context = job.prompt_tokens + job.decode_tokens + 1
-        budget = budget_for(out, job.capacity, context)
+        options = RuntimeConfig(
+            prefetch=job.prefetch,
+            prefetch_extra=job.prefetch_extra,
+            prefetch_reads=job.prefetch_reads,
+        )
+        budget = budget_for(out, job.capacity, context, options)
         gc.collect()
         model, _ = load(
             out,
@@ -76,6 +83,7 @@ def run(job: Job) -> dict:
             policy=job.policy,
             prefetch=job.prefetch,
             prefetch_extra=job.prefetch_extra,
+            prefetch_reads=job.prefetch_reads,
             verify=job.verify,
             context=context,
             record_trace=True,

@@ -31,6 +31,10 @@ class RuntimeConfig:
         recall for some wasted reads (the disk is idle most of a token). Cold
         decode at 12.5 % on the small synthetic model: 0.85x resident with 0,
         0.95x with 2, 0.86x with 4.
+    prefetch_reads: how predicted records are read ahead: "hint" asks the
+        kernel (`posix_fadvise(WILLNEED)`, into the page cache); "threads" reads
+        them with two reader threads into a ring of 2 x (top-k + extra) record
+        buffers, copied into slots when routed. Measured in the README.
     whole_groups: run each group of a prefill that routes to more experts than
         slots as the resident model's whole call, with other pairs sent to a
         spare zero slot (one more slot per layer). Default: on a GPU, whose
@@ -46,6 +50,7 @@ class RuntimeConfig:
     policy: str = "lrfu"
     prefetch: bool = True
     prefetch_extra: int = 2
+    prefetch_reads: str = "hint"
     whole_groups: bool | None = None
     record_trace: bool = False
 

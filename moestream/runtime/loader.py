@@ -36,7 +36,7 @@ from ..formats.verify import check_files, check_safetensors
 from ..units import human_bytes, parse_size
 from .config import RuntimeConfig
 from .pool import POLICIES, RuntimeStats
-from .store import ExpertStore, check_layers
+from .store import ExpertStore, ReadAhead, check_layers
 from .switch import Outstanding, StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class MemoryPlan:
     dense: int
     kv_cache: int
     activations: int
-    staging: int  # a record being widened (+ the spare slots of whole groups)
+    staging: int  # a record being widened, spare slots, reader-thread buffers
     reserve: int  # allocator slack and fragmentation outside MLX's accounting
     slot_bytes: int  # one slot in every MoE layer
     capacity: int
@@ -124,6 +124,10 @@ def load(
         check_files(directory, manifest)
     if cfg.dtype not in DTYPES:
         raise ValueError(f"Unknown dtype {cfg.dtype}; use one of {', '.join(DTYPES)}.")
+    if cfg.prefetch_reads not in ("hint", "threads"):
+        raise ValueError(
+            f"Unknown prefetch_reads {cfg.prefetch_reads!r}; use hint or threads."
+        )
     if cfg.policy not in POLICIES:
         raise ValueError(
             f"Unknown cache policy {cfg.policy!r}; use one of {', '.join(POLICIES)}."
@@ -154,6 +158,7 @@ def load(
         parse_size(budget) if budget is not None else None,
         cfg.cache_experts,
         cfg.spare_slot,
+        _ring_size(model_config, cfg),
     )
     log.info(plan.describe())
     if plan.budget is not None:
@@ -177,6 +182,11 @@ def load(
         replace_module(model, spath, streaming[spath])
     if cfg.prefetch:
         _chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
+        if cfg.prefetch_reads == "threads":
+            record = max(layer.record_nbytes for layer in manifest.layers)
+            ahead = ReadAhead(store, record, _ring_size(model_config, cfg))
+            for layer in streaming.values():
+                layer._ahead = ahead
     mx.eval(model.parameters())
     model.eval()
     model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
@@ -199,6 +209,13 @@ def _check_expert_shapes(
                 f"{sorted(got.items())[:4]} do not match the model's experts "
                 f"{sorted(want.items())[:4]}; convert again."
             )
+
+
+def _ring_size(config: dict, cfg: RuntimeConfig) -> int:
+    """Record buffers of the reader threads (none with kernel hints)."""
+    if not (cfg.prefetch and cfg.prefetch_reads == "threads"):
+        return 0
+    return 2 * (get_family(config).top_k(config) + cfg.prefetch_extra)
 
 
 def _chain_prefetch(
@@ -237,7 +254,12 @@ def router_predictor(block: nn.Module, k: int) -> Callable | None:
     return predict
 
 
-def budget_for(path: str | Path, capacity: int, context: int = 4096) -> int:
+def budget_for(
+    path: str | Path,
+    capacity: int,
+    context: int = 4096,
+    options: RuntimeConfig | None = None,
+) -> int:
     """A --memory-budget that holds `capacity` slots per layer: the smallest,
     plus 1 % for the process growing between this call and `load`.
 
@@ -259,7 +281,8 @@ def budget_for(path: str | Path, capacity: int, context: int = 4096) -> int:
         context,
         None,
         capacity,
-        RuntimeConfig().spare_slot,
+        (options or RuntimeConfig()).spare_slot,
+        _ring_size(config, options or RuntimeConfig()),
     )
     unreserved = plan.total - plan.reserve + RESERVE_BYTES
     return math.ceil(1.01 * unreserved / (1 - RESERVE_FRACTION))
@@ -361,6 +384,7 @@ def plan_memory(
     budget: int | None,
     cache_experts: int | None,
     spare_slot: bool = False,
+    ring: int = 0,
 ) -> MemoryPlan:
     top_k = get_family(config).top_k(config)
     config = _text_config(config)
@@ -370,6 +394,7 @@ def plan_memory(
     act = _activation_bytes(config, context, top_k)
     staging = max(layer.record_nbytes for layer in manifest.layers)
     staging += slot if spare_slot else 0  # the spare zero slot of whole groups
+    staging += ring * max(layer.record_nbytes for layer in manifest.layers)
     if cache_experts is None and budget is None:
         budget = int(0.8 * _physical_memory())
     reserve = RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))

@@ -23,7 +23,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..formats import ExpertLayer
 from .pool import RuntimeStats, SlotPool
-from .store import ExpertStore, SlotFiller
+from .store import ExpertStore, ReadAhead, SlotFiller
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -72,6 +72,9 @@ class StreamingSwitchGLU(nn.Module):
         self._next: StreamingSwitchGLU | None = None
         self._predict: Callable[[mx.array], mx.array] | None = None
         self._prefetched: set[int] = set()
+        # prefetch_reads="threads": the reader ring, and records staged for us.
+        self._ahead: ReadAhead | None = None
+        self._staged: dict[int, tuple] = {}
 
     def chain(
         self, nxt: StreamingSwitchGLU, predict: Callable[[mx.array], mx.array]
@@ -141,6 +144,7 @@ class StreamingSwitchGLU(nn.Module):
         else:
             y = self._grouped(x, experts, unique)
         self._prefetched.clear()
+        self._staged = {}
         self._outstanding.arrays.append(y)
         mx.async_eval(y)  # compute while Python builds the next layer's graph
         return y
@@ -149,7 +153,11 @@ class StreamingSwitchGLU(nn.Module):
         """Start reading the records of `experts` that are not resident."""
         missing = [int(e) for e in experts if not self._pool.resident(int(e))]
         if missing:
-            self._store.willneed(self._layer.layer, missing)
+            if self._ahead is not None:
+                self._staged = self._ahead.submit(self._layer, missing)
+                missing = list(self._staged)
+            else:
+                self._store.willneed(self._layer.layer, missing)
             self._prefetched.update(missing)
             self._stats.prefetched += len(missing)
             self._stats.prefetch_bytes += len(missing) * self._layer.record_nbytes
@@ -168,7 +176,12 @@ class StreamingSwitchGLU(nn.Module):
         self._prefetched.difference_update(used)
         for n, (expert, slot) in enumerate(misses):
             try:
-                self._filler.fill(expert, slot)
+                if expert in self._staged:
+                    done, record = self._staged.pop(expert)
+                    done.result()  # a read or checksum error surfaces here
+                    self._filler.fill_from(record, slot)
+                else:
+                    self._filler.fill(expert, slot)
             except BaseException:
                 for e, _ in misses[n:]:  # their slots hold partial data now
                     self._pool.forget(e)
