@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import user_errors
+from ..runtime.config import RuntimeConfig
 from ..runtime.pool import POLICIES
 from .harness import BenchConfig, main
 
@@ -88,10 +89,12 @@ def bench(
             prompt_tokens=prompt_tokens,
             repeats=repeats,
             prefill_repeats=prefill_repeats,
-            policy=policy,
-            prefetch=not no_prefetch,
-            prefetch_extra=prefetch_extra,
-            prefetch_reads=prefetch_reads,
+            runtime=RuntimeConfig(
+                policy=policy,
+                prefetch=not no_prefetch,
+                prefetch_extra=prefetch_extra,
+                prefetch_reads=prefetch_reads,
+            ),
             verify_cost=not no_verify_cost,
             reference=Path(reference) if reference else None,
         )

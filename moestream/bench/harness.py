@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..formats import BlobReader, load_manifest
 from ..formats.manifest import inside
+from ..runtime.config import RuntimeConfig
 from ..runtime.pool import POLICIES
 from .worker import Job
 
@@ -35,17 +36,14 @@ class BenchConfig:
     prompt_tokens: int = 512  # prefill runs; 0 skips prefill
     repeats: int = 3
     prefill_repeats: int = 1
-    policy: str = "lrfu"
-    prefetch: bool = True
-    prefetch_extra: int = 2
-    prefetch_reads: str = "hint"
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     verify_cost: bool = True  # one extra row: 25 % cold without checksums
     reference: Path | None = None  # mlx-lm directory of the same weights
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
+        if self.runtime.policy not in POLICIES:
             raise ValueError(
-                f"Unknown policy {self.policy}; use {', '.join(POLICIES)}."
+                f"Unknown policy {self.runtime.policy}; use {', '.join(POLICIES)}."
             )
         bad = [m for m in self.modes if m not in ("warm", "cold")]
         if bad or not self.budgets or any(not 0 < b <= 100 for b in self.budgets):
@@ -83,10 +81,7 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
         capacity=None,
         prompt_tokens=DECODE_PROMPT_TOKENS,
         decode_tokens=cfg.decode_tokens,
-        policy=cfg.policy,
-        prefetch=cfg.prefetch,
-        prefetch_extra=cfg.prefetch_extra,
-        prefetch_reads=cfg.prefetch_reads,
+        runtime=cfg.runtime,
         reference=str(cfg.reference) if cfg.reference else None,
     )
     rows = [Row("resident", None, "-", base)]
@@ -97,7 +92,9 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
             rows.append(Row(f"{pct:g} %", pct, mode, job))
     if cfg.verify_cost and "cold" in cfg.modes:
         cap = capacity_for(25, experts, top_k)
-        job = replace(base, capacity=cap, cold=True, verify=False)
+        job = replace(
+            base, capacity=cap, cold=True, runtime=replace(cfg.runtime, verify=False)
+        )
         rows.append(Row("25 % no-verify", 25, "cold", job))
     return rows
 
@@ -162,7 +159,9 @@ def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
             entry.update(
                 hit_rate=row.median("hit_rate"),
                 lru=statistics.median(r["replay"]["lru"] for r in row.decode),
-                policy=statistics.median(r["replay"][cfg.policy] for r in row.decode),
+                policy=statistics.median(
+                    r["replay"][cfg.runtime.policy] for r in row.decode
+                ),
                 belady=statistics.median(r["replay"]["belady"] for r in row.decode),
                 mb_per_token=bpt / 1e6,
                 prefetch_recall=row.median("prefetch_recall"),

@@ -13,7 +13,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -42,11 +42,8 @@ class Job:
     cold: bool = False
     prompt_tokens: int = 512
     decode_tokens: int = 32
-    policy: str = "lrfu"
-    prefetch: bool = True
-    prefetch_extra: int = 2
-    prefetch_reads: str = "hint"
-    verify: bool = True
+    # The streaming runs' options (slots, budget and context are set per run).
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     reference: str | None = None  # an mlx-lm directory of the same weights
     # Sampled, seeded decode: the same tokens in every run (the output is exact),
     # and routing that is not stuck in the loops greedy decode falls into.
@@ -68,26 +65,16 @@ def run(job: Job) -> dict:
         runtime = None
     else:
         context = job.prompt_tokens + job.decode_tokens + 1
-        options = RuntimeConfig(
-            prefetch=job.prefetch,
-            prefetch_extra=job.prefetch_extra,
-            prefetch_reads=job.prefetch_reads,
-        )
-        budget = budget_for(out, job.capacity, context, options)
+        budget = budget_for(out, job.capacity, context, job.runtime)
         gc.collect()
-        model, _ = load(
-            out,
-            tokenizer=tokenizer,
+        options = replace(
+            job.runtime,
             cache_experts=job.capacity,
             memory_budget=budget,
-            policy=job.policy,
-            prefetch=job.prefetch,
-            prefetch_extra=job.prefetch_extra,
-            prefetch_reads=job.prefetch_reads,
-            verify=job.verify,
             context=context,
             record_trace=True,
         )
+        model, _ = load(out, options, tokenizer=tokenizer)
         runtime = runtime_of(model)
         if job.cold:
             runtime.store.drop_cache()
@@ -125,7 +112,8 @@ def run(job: Job) -> dict:
         result["budget"] = runtime.plan.budget
         result["capacity"] = runtime.plan.capacity
         traces = {layer: np.concatenate(rows) for layer, rows in s.trace.items()}
-        result["replay"] = replay_all(traces, runtime.plan.capacity, job.policy)
+        capacity, policy = runtime.plan.capacity, job.runtime.policy
+        result["replay"] = replay_all(traces, capacity, policy)
     return result
 
 
@@ -145,7 +133,8 @@ def _peak_rss() -> int:
 
 
 def main() -> None:
-    job = Job(**json.loads(sys.argv[1]))
+    fields = json.loads(sys.argv[1])
+    job = Job(**{**fields, "runtime": RuntimeConfig(**fields["runtime"])})
     print(json.dumps({"job": asdict(job), **run(job)}))
 
 
