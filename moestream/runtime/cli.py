@@ -20,7 +20,8 @@ from mlx_lm.utils import load_config, load_tokenizer
 from ..errors import user_errors
 from ..formats import load_manifest
 from ..formats.verify import check_files
-from .loader import DTYPES, load, runtime_of, stats
+from .config import DTYPES
+from .loader import load, runtime_of, stats
 from .pool import POLICIES
 
 

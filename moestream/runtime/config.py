@@ -6,8 +6,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .pool import POLICIES
+
 # KV cache and activations are sized for this many tokens unless told otherwise.
 DEFAULT_CONTEXT = 4096
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PREFETCH_READS = ("hint", "threads")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,21 @@ class RuntimeConfig:
     prefetch_reads: str = "hint"
     whole_groups: bool | None = None
     record_trace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"Unknown dtype {self.dtype}; use one of {', '.join(DTYPES)}."
+            )
+        if self.prefetch_reads not in PREFETCH_READS:
+            raise ValueError(
+                f"Unknown prefetch_reads {self.prefetch_reads!r}; use hint or threads."
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"Unknown cache policy {self.policy!r}; use one of "
+                f"{', '.join(POLICIES)}."
+            )
 
     @property
     def spare_slot(self) -> bool:

@@ -11,7 +11,7 @@ import os
 import resource
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,13 +35,12 @@ from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
 from ..units import human_bytes, parse_size
 from .config import RuntimeConfig
-from .pool import POLICIES, RuntimeStats
+from .pool import RuntimeStats
 from .store import ExpertStore, ReadAhead, check_layers
 from .switch import Outstanding, StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 # mlx-lm's generate_step prefills in chunks of this many tokens.
 PREFILL_STEP = 2048
 # Kept free under a budget for malloc slack and fragmentation that no allocator
@@ -117,21 +116,11 @@ def load(
         its fields, e.g. `load(out, memory_budget="8G", prefetch=False)`.
     tokenizer: reuse one already loaded from `path` (its memory counts as process).
     """
-    cfg = RuntimeConfig(**{**(config.__dict__ if config else {}), **options})
+    cfg = replace(config or RuntimeConfig(), **options)  # validates the options
     directory = Path(path)
     manifest = load_manifest(directory)
     if cfg.verify:  # dense, config and tokenizer files, before any is used
         check_files(directory, manifest)
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"Unknown dtype {cfg.dtype}; use one of {', '.join(DTYPES)}.")
-    if cfg.prefetch_reads not in ("hint", "threads"):
-        raise ValueError(
-            f"Unknown prefetch_reads {cfg.prefetch_reads!r}; use hint or threads."
-        )
-    if cfg.policy not in POLICIES:
-        raise ValueError(
-            f"Unknown cache policy {cfg.policy!r}; use one of {', '.join(POLICIES)}."
-        )
     compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     model_config = load_config(directory)
     if tokenizer is None:
