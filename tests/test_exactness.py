@@ -29,16 +29,18 @@ def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
 @pytest.mark.parametrize(
-    "policy, prefetch, reads",
+    "policy, prefetch, reads, speculate, whole",
     [
-        ("lrfu", True, "hint"),
-        ("lru", False, "hint"),
-        ("lfuda", True, "hint"),
-        ("lrfu", True, "threads"),
+        ("lrfu", True, "hint", True, False),  # the CPU default: misses spliced
+        ("lru", False, "hint", True, False),
+        ("lfuda", True, "hint", True, False),
+        ("lrfu", True, "threads", True, False),
+        ("lrfu", True, "hint", False, False),  # sync first, then the experts
+        ("lrfu", True, "hint", True, True),  # the GPU default: whole calls again
     ],
 )
 def test_prefill_and_decode_logits_bit_identical(
-    converted, reference, cache_experts, policy, prefetch, reads
+    converted, reference, cache_experts, policy, prefetch, reads, speculate, whole
 ):
     model, _ = moestream.load(
         converted,
@@ -46,6 +48,8 @@ def test_prefill_and_decode_logits_bit_identical(
         policy=policy,
         prefetch=prefetch,
         prefetch_reads=reads,
+        speculate=speculate,
+        whole_calls=whole,
     )
     ours = logits_stepwise(model, PROMPT, steps=12)
     theirs = logits_stepwise(reference, PROMPT, steps=12)
@@ -58,13 +62,38 @@ def test_prefill_and_decode_logits_bit_identical(
         assert s.evictions > 0  # the small caches really did evict and reload
         assert s.grouped_calls > 0  # 48 prompt tokens route to more than 5 experts
     assert (s.prefetched > 0) == prefetch
+    assert (s.early_calls > 0) == speculate
+    if cache_experts < 8:
+        # decode calls missed: their rows were computed apart (or run again)
+        assert s.late_calls > 0
     if reads == "threads" and cache_experts < 8:
         assert s.misses_prefetched > 0  # some misses came from the reader ring
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_speculative_calls_with_misses_are_exact(
+    converted, reference, monkeypatch, whole
+):
+    """Every decode call starts on the resident slots before the sync; calls
+    that missed get their missed rows spliced in (CPU) or run again whole."""
+    from moestream.runtime import switch
+
+    monkeypatch.setattr(switch, "SPECULATE_ABOVE", 0.0)
+    model, _ = moestream.load(
+        converted, cache_experts=3, prefetch=False, whole_calls=whole
+    )
+    ours = logits_stepwise(model, PROMPT, steps=12)
+    theirs = logits_stepwise(reference, PROMPT, steps=12)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
+    s = moestream.stats(model)
+    layers = len(moestream.runtime_of(model).manifest.layers)
+    assert s.early_calls == 12 * layers  # every decode call speculated
+    assert 0 < s.late_calls < s.early_calls
+
+
 def test_whole_call_groups_are_exact(converted, reference):
     """The GPU's grouped prefill (whole calls + a spare slot), run on the CPU."""
-    model, _ = moestream.load(converted, cache_experts=3, whole_groups=True)
+    model, _ = moestream.load(converted, cache_experts=3, whole_calls=True)
     ours, theirs = (
         logits_stepwise(model, PROMPT, 4),
         logits_stepwise(reference, PROMPT, 4),

@@ -54,6 +54,11 @@ def _floats(text: str) -> tuple[float, ...]:
     show_default=True,
     help="Read ahead with kernel hints or reader threads.",
 )
+@click.option(
+    "--no-speculate",
+    is_flag=True,
+    help="Sync on the routing before starting each decode layer's experts.",
+)
 @click.option("--no-verify-cost", is_flag=True, help="Skip the no-checksum row.")
 @click.option(
     "--reference",
@@ -74,6 +79,7 @@ def bench(
     no_prefetch: bool,
     prefetch_extra: int,
     prefetch_reads: str,
+    no_speculate: bool,
     no_verify_cost: bool,
     reference: str | None,
     as_json: bool,
@@ -94,6 +100,7 @@ def bench(
                 prefetch=not no_prefetch,
                 prefetch_extra=prefetch_extra,
                 prefetch_reads=prefetch_reads,
+                speculate=not no_speculate,
             ),
             verify_cost=not no_verify_cost,
             reference=Path(reference) if reference else None,

@@ -39,10 +39,17 @@ class RuntimeConfig:
         kernel (`posix_fadvise(WILLNEED)`, into the page cache); "threads" reads
         them with two reader threads into a ring of 2 x (top-k + extra) record
         buffers, copied into slots when routed. Measured in the README.
-    whole_groups: run each group of a prefill that routes to more experts than
-        slots as the resident model's whole call, with other pairs sent to a
-        spare zero slot (one more slot per layer). Default: on a GPU, whose
-        gather kernels choose their algorithm by the rows of a call.
+    speculate: start each decode layer's experts on the slots resident now,
+        before the host has read the routing; missing experts meanwhile point
+        to a zero slot (one more slot per layer). After the one host sync,
+        misses are read and their rows computed and spliced in (or, with
+        `whole_calls`, the call is run again). Removes the host sync from the
+        critical path of every layer that misses nothing.
+    whole_calls: never split a call's rows across expert calls: a prefill that
+        routes to more experts than slots runs each group as the resident
+        model's whole call with other pairs sent to the zero slot, and a
+        speculative call with misses is run again whole. Default: on a GPU,
+        whose gather kernels choose their algorithm by the rows of a call.
     record_trace: keep every routed expert id in the stats (benchmarks).
     """
 
@@ -55,7 +62,8 @@ class RuntimeConfig:
     prefetch: bool = True
     prefetch_extra: int = 2
     prefetch_reads: str = "hint"
-    whole_groups: bool | None = None
+    speculate: bool = True
+    whole_calls: bool | None = None
     record_trace: bool = False
 
     def __post_init__(self) -> None:
@@ -74,7 +82,12 @@ class RuntimeConfig:
             )
 
     @property
-    def spare_slot(self) -> bool:
-        if self.whole_groups is None:
+    def rows_whole(self) -> bool:
+        """`whole_calls`, with its default resolved for the current device."""
+        if self.whole_calls is None:
             return mx.default_device() != mx.cpu
-        return self.whole_groups
+        return self.whole_calls
+
+    @property
+    def spare_slot(self) -> bool:
+        return self.speculate or self.rows_whole

@@ -166,7 +166,8 @@ def load(
             stats,
             outstanding,
             cfg.policy,
-            cfg.spare_slot,
+            cfg.speculate,
+            cfg.rows_whole,
         )
         replace_module(model, spath, streaming[spath])
     if cfg.prefetch:

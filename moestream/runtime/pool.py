@@ -16,6 +16,10 @@ class RuntimeStats:
     evictions: int = 0
     bytes_read: int = 0
     grouped_calls: int = 0
+    # Decode calls started on the resident slots before the routing was read
+    # (`speculate`), and those of them whose misses were computed afterwards.
+    early_calls: int = 0
+    late_calls: int = 0
     # Prefetch: experts predicted for the next layer and not resident then.
     prefetched: int = 0
     prefetched_used: int = 0  # ... that the next layer routed to
@@ -142,6 +146,8 @@ class SlotPool:
         self.policy = make_policy(policy, num_experts)
         self.slot_of: dict[int, int] = {}
         self.free = list(range(capacity - 1, -1, -1))
+        # expert -> slot as an array; `capacity` (the row past the pool) if absent.
+        self.table = np.full(num_experts, capacity, np.uint32)
 
     def assign(
         self, experts: np.ndarray, tokens: int = 1
@@ -162,6 +168,7 @@ class SlotPool:
         for e in sorted(set(wanted) - slots.keys()):
             slot = self.free.pop() if self.free else self._evict(slots.keys())
             self.slot_of[e] = slots[e] = slot
+            self.table[e] = slot
             misses.append((e, slot))
         self.policy.used(np.fromiter(slots, np.int64, len(slots)), tokens)
         return slots, misses
@@ -173,6 +180,7 @@ class SlotPool:
         )
         victim = int(candidates[np.argmin(self.policy.score[candidates])])
         self.policy.evicted(victim)
+        self.table[victim] = self.capacity
         return self.slot_of.pop(victim)
 
     def resident(self, expert: int) -> bool:
@@ -182,4 +190,5 @@ class SlotPool:
         """Drop `expert` (its slot content is no longer trusted)."""
         slot = self.slot_of.pop(expert, None)
         if slot is not None:
+            self.table[expert] = self.capacity
             self.free.append(slot)

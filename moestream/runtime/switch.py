@@ -6,6 +6,14 @@ to slots, reads the missing experts straight into slot memory, and runs
 mlx-lm's SwitchGLU on slot-local indices: same kernels, same activation and
 biases, so the result is bit-identical to the fully resident model.
 
+Decode calls are speculative (`RuntimeConfig.speculate`): the experts run on
+the slots resident *before* the host reads the routing (a device-side
+expert -> slot table sends absent experts to a zero slot), so MLX computes
+them while the host syncs. Misses are then read into slots no routed expert
+occupies, their rows computed and spliced in: a gather kernel on the CPU
+computes each row alone, so this equals the whole call bit for bit; where
+rows are not independent (GPU, `whole_calls`) the call runs again whole.
+
 Slots are written in place. Every output a streaming layer returns is kept in
 a list shared by the model's layers and evaluated right after the next host
 sync (where it is already computed, so this costs nothing): no pending
@@ -26,6 +34,24 @@ from .pool import RuntimeStats, SlotPool
 from .store import ExpertStore, ReadAhead, SlotFiller
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+# SwitchGLU sorts the pairs of a call this large; such calls never speculate.
+SORTED_CALL = 64
+# A layer speculates while this share of its recent decode calls (decayed
+# by CLEAN_DECAY per call) missed nothing: a speculative call with misses
+# computes the missed rows twice.
+SPECULATE_ABOVE = 0.8
+CLEAN_DECAY = 0.9
+
+
+def _assemble(parts: list[tuple[np.ndarray, mx.array]], shape: tuple) -> mx.array:
+    """`(pairs, rows)` parts -> the `shape + (D,)` output; later parts win."""
+    order = np.empty(int(np.prod(shape)), np.int64)
+    offset = 0
+    for pairs, _ in parts:
+        order[pairs] = offset + np.arange(pairs.size)
+        offset += pairs.size
+    y = mx.concatenate([rows for _, rows in parts])[mx.array(order)]
+    return y.reshape(*shape, y.shape[-1])
 
 
 class Outstanding:
@@ -52,7 +78,8 @@ class StreamingSwitchGLU(nn.Module):
         stats: RuntimeStats,
         outstanding: Outstanding,
         policy: str = "lrfu",
-        spare_slot: bool = False,
+        speculate: bool = False,
+        whole_calls: bool = False,
     ):
         super().__init__()
         # Underscored: not parameters, so load_weights and casts leave them alone.
@@ -64,8 +91,12 @@ class StreamingSwitchGLU(nn.Module):
         self._float_dtype = float_dtype
         cap = min(capacity, layer.num_experts)
         self._pool = SlotPool(cap, layer.num_experts, policy)
-        # One zero slot past the pool for whole-call groups (_grouped_whole).
-        self._spare = cap if spare_slot else None
+        # One zero slot past the pool (the pool's table sends absent experts
+        # there) for speculative calls and whole-call groups.
+        self._speculate, self._whole = speculate, whole_calls
+        self._spare = cap if speculate or whole_calls else None
+        self._clean = 1.0  # decayed share of decode calls that missed nothing
+        self._foreseen_miss = False  # the prediction for our next call misses
         self._targets = self._allocate_slots()
         self._filler = SlotFiller(store, layer, [m[n] for m, n in self._targets])
         # Prefetch: the next MoE layer and its router's prediction from our input.
@@ -126,23 +157,87 @@ class StreamingSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         predicted = self._predict(x) if self._predict is not None else None
-        mx.eval(indices, predicted) if predicted is not None else mx.eval(indices)
-        experts = np.array(indices)  # the one host sync of this layer (above)
+        routing = [indices] if predicted is None else [indices, predicted]
+        decode = indices.size <= self.capacity and indices.size < SORTED_CALL
+        early = None
+        if (
+            decode
+            and self._speculate
+            and self._clean >= SPECULATE_ABOVE
+            and not self._foreseen_miss
+        ):
+            # The routing gets its own evaluation, so the sync below waits for
+            # the router only, not for the experts queued behind it.
+            mx.async_eval(routing)
+            early = self._inner(x, mx.array(self._pool.table)[indices])
+            mx.async_eval(early)
+            self._stats.early_calls += 1
+        else:
+            mx.eval(routing)
+        experts = np.array(indices)  # the one host sync of this layer
+        unique = np.unique(experts)
+        missing = unique[self._pool.table[unique] == self._pool.capacity]
+        split = decode and missing.size > 0 and not self._whole
+        # Start what is resident computing before any bookkeeping or read.
+        if early is None and decode and not missing.size:
+            early = self._inner(x, mx.array(self._pool.table[experts]))
+            mx.async_eval(early)
+        flat = experts.reshape(-1)
+        parts = []  # (pairs, rows) of a split call
+        if split and early is not None:
+            parts.append((np.arange(flat.size), early.reshape(flat.size, -1)))
+        elif split and not np.isin(flat, missing).all():
+            hits = np.flatnonzero(~np.isin(flat, missing))
+            parts.append((hits, self._rows(x, experts, hits, self._pool.table)))
+            mx.async_eval(parts[0][1])
+        self._after_sync(experts, missing, predicted)
+        if early is not None:  # after the settle: it stays in flight
+            self._outstanding.arrays.append(early)
+        tokens = experts.size // experts.shape[-1]
+        if unique.size > self.capacity:
+            return self._issue(self._grouped(x, experts, unique))
+        if decode:
+            clean = not missing.size
+            self._clean = CLEAN_DECAY * self._clean + (1 - CLEAN_DECAY) * clean
+        lut = self._load(unique, tokens)  # reads the misses
+        if not missing.size:
+            return self._issue(
+                early if early is not None else self._inner(x, mx.array(lut[experts]))
+            )
+        self._stats.late_calls += 1
+        if not split:  # whole calls: run it (again) on the full slot map
+            return self._issue(self._inner(x, mx.array(lut[experts])))
+        # Rows are computed alone here: only the misses' rows run now.
+        late = np.flatnonzero(np.isin(flat, missing))
+        parts.append((late, self._rows(x, experts, late, lut)))
+        return self._issue(_assemble(parts, experts.shape))
+
+    def _rows(
+        self, x: mx.array, experts: np.ndarray, pairs: np.ndarray, lut: np.ndarray
+    ) -> mx.array:
+        """The expert outputs of (token, k) `pairs` alone, `(len(pairs), D)`."""
+        k = experts.shape[-1]
+        rows = x.reshape(-1, x.shape[-1])[mx.array(pairs // k)]
+        slots = mx.array(lut[experts.reshape(-1)[pairs]])[:, None]
+        return self._inner(rows, slots)[:, 0]
+
+    def _after_sync(
+        self, experts: np.ndarray, missing: np.ndarray, predicted: mx.array | None
+    ) -> None:
+        """Bookkeeping once the routing is known: no pending computation may
+        read a slot from here on; hint the misses and the next layer's
+        predicted experts to the kernel."""
         self._outstanding.settle()
         if self._stats.trace is not None:
             rows = experts.reshape(-1, experts.shape[-1])
             self._stats.trace.setdefault(self._layer.layer, []).append(rows)
-        unique = np.unique(experts)
-        missing = [int(e) for e in unique if not self._pool.resident(int(e))]
-        if missing:  # the kernel reads them in parallel while we copy
-            self._store.willneed(self._layer.layer, missing)
+        if missing.size:  # the kernel reads them in parallel while we copy
+            self._store.willneed(self._layer.layer, missing.tolist())
         if predicted is not None:
             self._next.prefetch(np.unique(np.array(predicted)))  # type: ignore[union-attr]
-        if unique.size <= self.capacity:
-            lut = self._load(unique, tokens=experts.size // experts.shape[-1])
-            y = self._inner(x, mx.array(lut[experts]))
-        else:
-            y = self._grouped(x, experts, unique)
+
+    def _issue(self, y: mx.array) -> mx.array:
+        """Hand `y` to MLX and keep it until the next sync evaluates it."""
         self._prefetched.clear()
         self._staged = {}
         self._outstanding.arrays.append(y)
@@ -152,6 +247,7 @@ class StreamingSwitchGLU(nn.Module):
     def prefetch(self, experts: np.ndarray) -> None:
         """Start reading the records of `experts` that are not resident."""
         missing = [int(e) for e in experts if not self._pool.resident(int(e))]
+        self._foreseen_miss = bool(missing)
         if missing:
             if self._ahead is not None:
                 self._staged = self._ahead.submit(self._layer, missing)
@@ -192,36 +288,27 @@ class StreamingSwitchGLU(nn.Module):
             stats.per_layer_misses[layer] = stats.per_layer_misses.get(layer, 0) + len(
                 misses
             )
-        lut = np.zeros(self._layer.num_experts, np.uint32)
-        for expert, slot in slots.items():
-            lut[expert] = slot
-        return lut
+        return self._pool.table
 
     def _grouped(
         self, x: mx.array, experts: np.ndarray, unique: np.ndarray
     ) -> mx.array:
         """More routed experts than slots (prefill): run them in slot-sized groups."""
         self._stats.grouped_calls += 1
-        if self._spare is not None:
+        if self._whole:
             return self._grouped_whole(x, experts, unique)
-        *lead, k = experts.shape
-        xs = x.reshape(-1, x.shape[-1])
         flat = experts.reshape(-1)
         order = np.argsort(flat, kind="stable")
-        picked, outs = [], []
+        parts = []
         for start in range(0, unique.size, self.capacity):
             group = unique[start : start + self.capacity]
-            lut = self._load(group, tokens=flat.size // k if start == 0 else 0)
+            tokens = flat.size // experts.shape[-1] if start == 0 else 0
+            lut = self._load(group, tokens)
             pairs = order[np.isin(flat[order], group)]
-            local = mx.array(lut[flat[pairs]])[:, None]
-            out = self._inner(xs[mx.array(pairs // k)], local)  # (n, 1, D)
+            out = self._rows(x, experts, pairs, lut)
             mx.eval(out)  # the next group overwrites these slots
-            picked.append(pairs)
-            outs.append(out[:, 0])
-        inverse = np.empty(flat.size, np.int64)
-        inverse[np.concatenate(picked)] = np.arange(flat.size)
-        y = mx.concatenate(outs)[mx.array(inverse)]
-        return y.reshape(*lead, k, y.shape[-1])
+            parts.append((pairs, out))
+        return _assemble(parts, experts.shape)
 
     def _grouped_whole(
         self, x: mx.array, experts: np.ndarray, unique: np.ndarray
