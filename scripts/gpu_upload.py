@@ -45,7 +45,9 @@ def main() -> None:
     n = a.records
 
     def fresh_slots() -> list[mx.array]:
-        s = [mx.zeros((a.slots, *g.shape), d) for g, d in zip(segs, dtypes)]
+        s = [
+            mx.zeros((a.slots, *g.shape), d) for g, d in zip(segs, dtypes, strict=True)
+        ]
         mx.eval(s)
         return s
 
@@ -56,7 +58,7 @@ def main() -> None:
     def host_buffers(count: int) -> list[np.ndarray]:
         return [
             np.zeros((count, *g.shape), np.dtype(RAW_DTYPES[d.size]))
-            for g, d in zip(segs, dtypes)
+            for g, d in zip(segs, dtypes, strict=True)
         ]
 
     def read_into(bufs: list[np.ndarray], i: int, expert: int) -> None:
@@ -75,13 +77,13 @@ def main() -> None:
 
     def direct(slots, experts, rows):
         filler = SlotFiller(store, layer, slots)
-        for e, r in zip(experts, rows):
+        for e, r in zip(experts, rows, strict=True):
             filler.fill(int(e), r)
 
     one = host_buffers(1)
 
     def staged(slots, experts, rows):
-        for e, r in zip(experts, rows):
+        for e, r in zip(experts, rows, strict=True):
             read_into(one, 0, int(e))
             for j, d in enumerate(dtypes):
                 slots[j][r] = as_mx(one[j][0], d)
@@ -97,7 +99,10 @@ def main() -> None:
             slots[j][idx] = as_mx(many[j], d)
         mx.eval(slots)
 
-    on_device = [mx.contiguous(mx.ones((n, *g.shape), d)) for g, d in zip(segs, dtypes)]
+    on_device = [
+        mx.contiguous(mx.ones((n, *g.shape), d))
+        for g, d in zip(segs, dtypes, strict=True)
+    ]
     mx.eval(on_device)
 
     def device(slots, experts, rows):
@@ -122,7 +127,10 @@ def main() -> None:
             if r:
                 times[name].append((time.perf_counter() - start) / n)
     mb = layer.record_nbytes / 1e6
-    print(f"{mb:.2f} MB records, {n} per round, {a.repeats} rounds, device {mx.default_device()}")
+    print(
+        f"{mb:.2f} MB records, {n} per round, {a.repeats} rounds, "
+        f"device {mx.default_device()}"
+    )
     base = statistics.median(times["device"])
     for name, t in times.items():
         med = statistics.median(t)
