@@ -1,11 +1,13 @@
 """Where decode time goes on a GPU: resident vs streaming at full and partial
-capacity, with and without prefetch (greedy, after a warm-up run).
+capacity, with speculation on and off (greedy, after a warm-up run); and the
+host memory the GPU runtime itself takes (RSS before and after its start).
 
     python scripts/gpu_profile.py OUT
 """
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 
@@ -26,24 +28,33 @@ def decode_tps(model, prompt, n=32):
     return (n - 1) / (time.perf_counter() - start), tokens
 
 
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 1e6
+
+
 def main() -> None:
     out = sys.argv[1]
+    before = rss_mb()
+    mx.eval(mx.zeros(1) + 1)
+    print(f"RSS {before:.0f} MB before the device starts, {rss_mb():.0f} MB after")
     prompt = mx.array([(13 * i + 7) % 4000 for i in range(40)])
     res = resident_from_converted(out)
     decode_tps(res, prompt, 4)
     base, ref_tokens = decode_tps(res, prompt)
-    print(f"resident: {base:.1f} tok/s")
+    print(f"resident: {base:.1f} tok/s, RSS {rss_mb():.0f} MB")
     del res
-    for cap, prefetch in [(10**6, False), (32, False), (32, True), (13, True)]:
-        model, _ = moestream.load(out, cache_experts=cap, prefetch=prefetch)
+    for cap, spec in [(10**6, True), (10**6, False), (32, True), (32, False)]:
+        model, _ = moestream.load(out, cache_experts=cap, speculate=spec)
         decode_tps(model, prompt, 4)
         moestream.stats(model).reset()
         tps, tokens = decode_tps(model, prompt)
         s = moestream.stats(model)
         print(
-            f"cap {cap} prefetch {prefetch}: {tps:.1f} tok/s ({tps / base:.3f}x), "
+            f"cap {cap} speculate {spec}: {tps:.1f} tok/s ({tps / base:.3f}x), "
             f"same tokens {tokens == ref_tokens}, hit {s.hit_rate:.3f}, "
-            f"misses/token {s.misses / 32:.1f}"
+            f"misses/token {s.misses / 32:.1f}, early calls {s.early_calls}, "
+            f"late {s.late_calls}, RSS {rss_mb():.0f} MB"
         )
 
 

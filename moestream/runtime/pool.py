@@ -20,6 +20,8 @@ class RuntimeStats:
     # (`speculate`), and those of them whose misses were computed afterwards.
     early_calls: int = 0
     late_calls: int = 0
+    # Decode calls of layers that hold every expert: no read, no host sync.
+    sync_free_calls: int = 0
     # Prefetch: experts predicted for the next layer and not resident then.
     prefetched: int = 0
     prefetched_used: int = 0  # ... that the next layer routed to
