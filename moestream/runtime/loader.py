@@ -178,6 +178,9 @@ def load(
             for layer in streaming.values():
                 layer._ahead = ahead
     mx.eval(model.parameters())
+    for layer in streaming.values():
+        layer.fill_if_all_fit()  # then decode never waits on the host
+    stats.reset()
     model.eval()
     model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
     return model, tokenizer

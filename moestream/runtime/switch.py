@@ -251,6 +251,12 @@ class StreamingSwitchGLU(nn.Module):
         mx.async_eval(y)  # compute while Python builds the next layer's graph
         return y
 
+    def fill_if_all_fit(self) -> None:
+        """With a slot for every expert, read them all now (in file order, at
+        disk speed): the layer then never misses, and decodes with no sync."""
+        if self.capacity >= self._layer.num_experts:
+            self._load(np.arange(self._layer.num_experts), tokens=0)
+
     def prefetch(self, experts: np.ndarray) -> None:
         """Start reading the records of `experts` that are not resident."""
         missing = [int(e) for e in experts if not self._pool.resident(int(e))]
