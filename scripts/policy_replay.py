@@ -37,10 +37,7 @@ def main() -> None:
     cache = make_prompt_cache(model)
     for s in range(0, len(ids), 256):
         mx.eval(model(mx.array([ids[s : s + 256]]), cache=cache))
-    traces = {
-        layer: np.concatenate(rows)
-        for layer, rows in moestream.stats(model).trace.items()
-    }
+    traces = moestream.stats(model).routing()
     experts = max(int(t.max()) + 1 for t in traces.values())
     total = sum(len(np.unique(r)) for t in traces.values() for r in t)
     print(f"{len(ids)} tokens, {len(traces)} MoE layers, {experts} experts")

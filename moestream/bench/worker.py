@@ -18,7 +18,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
@@ -111,7 +110,7 @@ def run(job: Job) -> dict:
         result["bytes_per_token"] = s.bytes_read / max(n, 1)
         result["budget"] = runtime.plan.budget
         result["capacity"] = runtime.plan.capacity
-        traces = {layer: np.concatenate(rows) for layer, rows in s.trace.items()}
+        traces = s.routing()
         capacity, policy = runtime.plan.capacity, job.runtime.policy
         result["replay"] = replay_all(traces, capacity, policy)
     return result

@@ -28,8 +28,9 @@ class RuntimeStats:
     prefetch_bytes: int = 0
     misses_prefetched: int = 0  # misses whose record had been prefetched
     per_layer_misses: dict[int, int] = field(default_factory=dict)
-    # Routed experts per MoE layer and call, when recording a trace (benchmarks).
-    trace: dict[int, list[np.ndarray]] | None = None
+    # Routed experts per MoE layer and call, when recording a trace (benchmarks);
+    # calls that never sync keep their (evaluated) mx.array: read with routing().
+    trace: dict[int, list] | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -48,6 +49,13 @@ class RuntimeStats:
     def wasted_bytes(self) -> int:
         per = self.prefetch_bytes / self.prefetched if self.prefetched else 0
         return int((self.prefetched - self.prefetched_used) * per)
+
+    def routing(self) -> dict[int, np.ndarray]:
+        """The recorded trace: per MoE layer, one row of expert ids per token."""
+        return {
+            layer: np.concatenate([np.array(r).reshape(-1, r.shape[-1]) for r in rows])
+            for layer, rows in (self.trace or {}).items()
+        }
 
     def reset(self) -> None:
         for f in fields(self):

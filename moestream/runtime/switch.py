@@ -159,8 +159,10 @@ class StreamingSwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         decode = indices.size <= self.capacity and indices.size < SORTED_CALL
-        if decode and self._all_resident is not None and self._stats.trace is None:
+        if decode and self._all_resident is not None:
             # Every expert is in a slot for good: nothing to read, no sync.
+            if self._stats.trace is not None:
+                self._stats.trace.setdefault(self._layer.layer, []).append(indices)
             self._stats.hits += indices.size
             self._stats.sync_free_calls += 1
             return self._inner(x, self._all_resident[indices])
