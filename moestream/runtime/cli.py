@@ -135,6 +135,11 @@ def peak_rss() -> int:
     help="Do not predict and pre-read the next layer's experts.",
 )
 @click.option(
+    "--no-speculate",
+    is_flag=True,
+    help="Never start a layer's experts before its routing is read.",
+)
+@click.option(
     "--stats",
     "show_stats",
     is_flag=True,
@@ -160,6 +165,7 @@ def main(
     no_verify: bool,
     policy: str,
     no_prefetch: bool,
+    no_speculate: bool,
     show_stats: bool,
     as_json: bool,
 ) -> None:
@@ -187,6 +193,7 @@ def main(
             context=len(ids) + max_tokens,
             policy=policy,
             prefetch=not no_prefetch,
+            speculate=not no_speculate,
             tokenizer=tok,
         )
         if show_stats:
@@ -223,10 +230,7 @@ def report(model: nn.Module, gen: Generation) -> dict:
             "prompt_tps": gen.prompt_tps,
             "generation_tokens": n,
             "generation_tps": gen.generation_tps,
-            "hit_rate": s.hit_rate,
-            "bytes_read": s.bytes_read,
-            "prefetch_precision": s.prefetch_precision,
-            "prefetch_recall": s.prefetch_recall,
+            **s.as_dict(),
             "decode_bytes_per_token": (s.bytes_read - gen.prompt_bytes_read)
             / max(n - 1, 1),
             "peak_memory": peak_rss(),

@@ -76,6 +76,9 @@ class RuntimeStats:
             "prefetch_precision": self.prefetch_precision,
             "prefetch_recall": self.prefetch_recall,
             "prefetch_wasted_bytes": self.wasted_bytes,
+            "early_calls": self.early_calls,
+            "late_calls": self.late_calls,
+            "sync_free_calls": self.sync_free_calls,
         }
 
 
