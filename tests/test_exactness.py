@@ -40,8 +40,19 @@ def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
     ],
 )
 def test_prefill_and_decode_logits_bit_identical(
-    converted, reference, cache_experts, policy, prefetch, reads, speculate, whole
+    converted,
+    reference,
+    monkeypatch,
+    cache_experts,
+    policy,
+    prefetch,
+    reads,
+    speculate,
+    whole,
 ):
+    from moestream.runtime import switch
+
+    monkeypatch.setattr(switch, "SPLIT_MIN_BYTES", 0)  # tiny records split too
     model, _ = moestream.load(
         converted,
         cache_experts=cache_experts,
@@ -80,6 +91,7 @@ def test_speculative_calls_with_misses_are_exact(
     from moestream.runtime import switch
 
     monkeypatch.setattr(switch, "SPECULATE_ABOVE", 0.0)
+    monkeypatch.setattr(switch, "SPLIT_MIN_BYTES", 0)
     model, _ = moestream.load(
         converted, cache_experts=3, prefetch=False, whole_calls=whole
     )
