@@ -7,7 +7,6 @@ host memory the GPU runtime itself takes (RSS before and after its start).
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 
@@ -16,6 +15,7 @@ from mlx_lm.generate import generate_step
 
 import moestream
 from moestream.reference import resident_from_converted
+from moestream.runtime.loader import _process_bytes
 
 
 def decode_tps(model, prompt, n=32):
@@ -29,8 +29,7 @@ def decode_tps(model, prompt, n=32):
 
 
 def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 1e6
+    return _process_bytes() / 1e6
 
 
 def main() -> None:

@@ -165,9 +165,7 @@ def load(
             compute,
             stats,
             outstanding,
-            cfg.policy,
-            cfg.speculate,
-            cfg.rows_whole,
+            cfg,
         )
         replace_module(model, spath, streaming[spath])
     if cfg.prefetch:

@@ -199,6 +199,10 @@ class SlotPool:
     def resident(self, expert: int) -> bool:
         return expert in self.slot_of
 
+    def absent(self, experts: np.ndarray) -> np.ndarray:
+        """Those of `experts` that hold no slot."""
+        return experts[self.table[experts] == self.capacity]
+
     def forget(self, expert: int) -> None:
         """Drop `expert` (its slot content is no longer trusted)."""
         slot = self.slot_of.pop(expert, None)

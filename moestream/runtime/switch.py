@@ -30,6 +30,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..formats import ExpertLayer
+from .config import RuntimeConfig
 from .pool import RuntimeStats, SlotPool
 from .store import ExpertStore, ReadAhead, SlotFiller
 
@@ -82,9 +83,7 @@ class StreamingSwitchGLU(nn.Module):
         float_dtype: mx.Dtype,
         stats: RuntimeStats,
         outstanding: Outstanding,
-        policy: str = "lrfu",
-        speculate: bool = False,
-        whole_calls: bool = False,
+        config: RuntimeConfig,
     ):
         super().__init__()
         # Underscored: not parameters, so load_weights and casts leave them alone.
@@ -95,11 +94,11 @@ class StreamingSwitchGLU(nn.Module):
         self._outstanding = outstanding
         self._float_dtype = float_dtype
         cap = min(capacity, layer.num_experts)
-        self._pool = SlotPool(cap, layer.num_experts, policy)
+        self._pool = SlotPool(cap, layer.num_experts, config.policy)
         # One zero slot past the pool (the pool's table sends absent experts
         # there) for speculative calls and whole-call groups.
-        self._speculate, self._whole = speculate, whole_calls
-        self._spare = cap if speculate or whole_calls else None
+        self._speculate, self._whole = config.speculate, config.rows_whole
+        self._spare = cap if config.spare_slot else None
         self._clean = 1.0  # decayed share of decode calls that missed nothing
         self._foreseen_miss = False  # the prediction for our next call misses
         # The expert -> slot table on the device once every expert is resident.
@@ -166,8 +165,7 @@ class StreamingSwitchGLU(nn.Module):
         decode = indices.size <= self.capacity and indices.size < SORTED_CALL
         if decode and self._all_resident is not None:
             # Every expert is in a slot for good: nothing to read, no sync.
-            if self._stats.trace is not None:
-                self._stats.trace.setdefault(self._layer.layer, []).append(indices)
+            self._record(indices)
             self._stats.hits += indices.size
             self._stats.sync_free_calls += 1
             return self._inner(x, self._all_resident[indices])
@@ -190,22 +188,23 @@ class StreamingSwitchGLU(nn.Module):
             mx.eval(routing)
         experts = np.array(indices)  # the one host sync of this layer
         unique = np.unique(experts)
-        missing = unique[self._pool.table[unique] == self._pool.capacity]
+        missing = self._pool.absent(unique)
         split = (
             decode
             and missing.size * self._layer.record_nbytes >= SPLIT_MIN_BYTES
             and not self._whole
         )
         # Start what is resident computing before any bookkeeping or read.
-        if early is None and decode and not missing.size:
+        if early is None and not missing.size:
             early = self._inner(x, mx.array(self._pool.table[experts]))
             mx.async_eval(early)
         flat = experts.reshape(-1)
+        miss = np.isin(flat, missing)
         parts = []  # (pairs, rows) of a split call
         if split and early is not None:
             parts.append((np.arange(flat.size), early.reshape(flat.size, -1)))
-        elif split and not np.isin(flat, missing).all():
-            hits = np.flatnonzero(~np.isin(flat, missing))
+        elif split and not miss.all():
+            hits = np.flatnonzero(~miss)
             parts.append((hits, self._rows(x, experts, hits, self._pool.table)))
             mx.async_eval(parts[0][1])
         self._after_sync(experts, missing, predicted)
@@ -219,14 +218,12 @@ class StreamingSwitchGLU(nn.Module):
             self._clean = CLEAN_DECAY * self._clean + (1 - CLEAN_DECAY) * clean
         lut = self._load(unique, tokens)  # reads the misses
         if not missing.size:
-            return self._issue(
-                early if early is not None else self._inner(x, mx.array(lut[experts]))
-            )
+            return self._issue(early)
         self._stats.late_calls += 1
         if not split:  # whole calls: run it (again) on the full slot map
             return self._issue(self._inner(x, mx.array(lut[experts])))
         # Rows are computed alone here: only the misses' rows run now.
-        late = np.flatnonzero(np.isin(flat, missing))
+        late = np.flatnonzero(miss)
         parts.append((late, self._rows(x, experts, late, lut)))
         return self._issue(_assemble(parts, experts.shape))
 
@@ -246,13 +243,17 @@ class StreamingSwitchGLU(nn.Module):
         read a slot from here on; hint the misses and the next layer's
         predicted experts to the kernel."""
         self._outstanding.settle()
-        if self._stats.trace is not None:
-            rows = experts.reshape(-1, experts.shape[-1])
-            self._stats.trace.setdefault(self._layer.layer, []).append(rows)
+        self._record(experts)
         if missing.size:  # the kernel reads them in parallel while we copy
             self._store.willneed(self._layer.layer, missing.tolist())
         if predicted is not None:
             self._next.prefetch(np.unique(np.array(predicted)))  # type: ignore[union-attr]
+
+    def _record(self, routing: np.ndarray | mx.array) -> None:
+        """Keep the routed experts when recording a trace (read with
+        `RuntimeStats.routing()`; an mx.array is read once evaluated)."""
+        if self._stats.trace is not None:
+            self._stats.trace.setdefault(self._layer.layer, []).append(routing)
 
     def _issue(self, y: mx.array) -> mx.array:
         """Hand `y` to MLX and keep it until the next sync evaluates it."""
@@ -270,7 +271,7 @@ class StreamingSwitchGLU(nn.Module):
 
     def prefetch(self, experts: np.ndarray) -> None:
         """Start reading the records of `experts` that are not resident."""
-        missing = [int(e) for e in experts if not self._pool.resident(int(e))]
+        missing = self._pool.absent(experts).tolist()
         self._foreseen_miss = bool(missing)
         if missing:
             if self._ahead is not None:
