@@ -138,3 +138,19 @@ def test_bench_refuses_bad_budgets(synthetic):
     assert r.exit_code != 0 and "100,25,12.5" in r.output
     r = CliRunner().invoke(moestream_cli, ["bench", str(synthetic), "--budgets", "0"])
     assert r.exit_code == 2 and "percentages" in r.output
+
+
+def test_bench_prompt_is_the_packaged_text(converted):
+    """The decode prompt is a fixed file, not the source of the hot path."""
+    from importlib import resources
+
+    from mlx_lm.utils import load_tokenizer
+
+    from moestream.bench.worker import prompt_ids
+
+    tok = load_tokenizer(converted)
+    text = resources.files("moestream.bench").joinpath("prompt.txt").read_text()
+    ids = prompt_ids(tok, 16)
+    assert len(ids) == 16 and ids == tok.encode(text[:200])[:16]
+    long = prompt_ids(tok, 5000)  # longer than the text: repeated
+    assert len(long) == 5000 and long[:16] == ids
