@@ -42,7 +42,6 @@ def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
 def test_prefill_and_decode_logits_bit_identical(
     converted,
     reference,
-    monkeypatch,
     cache_experts,
     policy,
     prefetch,
@@ -50,11 +49,9 @@ def test_prefill_and_decode_logits_bit_identical(
     speculate,
     whole,
 ):
-    from moestream.runtime import switch
-
-    monkeypatch.setattr(switch, "SPLIT_MIN_BYTES", 0)  # tiny records split too
     model, _ = moestream.load(
         converted,
+        split_min_bytes=0,  # tiny records split too
         cache_experts=cache_experts,
         policy=policy,
         prefetch=prefetch,
@@ -83,17 +80,16 @@ def test_prefill_and_decode_logits_bit_identical(
 
 
 @pytest.mark.parametrize("whole", [False, True])
-def test_speculative_calls_with_misses_are_exact(
-    converted, reference, monkeypatch, whole
-):
+def test_speculative_calls_with_misses_are_exact(converted, reference, whole):
     """Every decode call starts on the resident slots before the sync; calls
     that missed get their missed rows spliced in (CPU) or run again whole."""
-    from moestream.runtime import switch
-
-    monkeypatch.setattr(switch, "SPECULATE_ABOVE", 0.0)
-    monkeypatch.setattr(switch, "SPLIT_MIN_BYTES", 0)
     model, _ = moestream.load(
-        converted, cache_experts=3, prefetch=False, whole_calls=whole
+        converted,
+        cache_experts=3,
+        prefetch=False,
+        whole_calls=whole,
+        speculate_above=0.0,
+        split_min_bytes=0,
     )
     ours = logits_stepwise(model, PROMPT, steps=12)
     theirs = logits_stepwise(reference, PROMPT, steps=12)

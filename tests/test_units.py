@@ -93,3 +93,36 @@ def test_recipe_rejects(bits: str, message: str) -> None:
         Recipe.parse(bits)
     with pytest.raises(RecipeError, match="group size"):
         Recipe.parse(None, group_size=48)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("engine", "native", "native engine not built"),
+        ("engine", "cuda", "Unknown engine 'cuda'"),
+        ("policy", "mru", "Unknown cache policy 'mru'"),
+        ("split_min_bytes", -1, "split_min_bytes must be in"),
+        ("speculate_above", 1.5, "speculate_above must be in"),
+        ("clean_decay", -0.1, "clean_decay must be in"),
+        ("lrfu_decay", 1.01, "lrfu_decay must be in"),
+        ("prefetch_extra", -1, "prefetch_extra must be in"),
+    ],
+)
+def test_runtime_config_refuses_bad_values(field: str, value, message: str) -> None:
+    from moestream.runtime import RuntimeConfig
+
+    with pytest.raises(ValueError, match=message):
+        RuntimeConfig(**{field: value})
+
+
+def test_lrfu_decay_reaches_the_policy() -> None:
+    # decay 0.5: one use now outweighs any number of older uses (LRU's order).
+    steps = [[0, 1], [0, 2], [3], [4, 5]]
+    pool = SlotPool(3, 6, "lrfu", lrfu_decay=0.5)
+    for step in steps:
+        pool.assign(np.array(step))
+    assert not pool.resident(0)  # the oldest, however often used, went first
+    pool = SlotPool(3, 6, "lrfu", lrfu_decay=0.98)
+    for step in steps:
+        pool.assign(np.array(step))
+    assert pool.resident(0)

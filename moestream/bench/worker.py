@@ -115,8 +115,8 @@ def run(job: Job) -> dict:
         result["budget"] = runtime.plan.budget
         result["capacity"] = runtime.plan.capacity
         traces = s.routing()
-        capacity, policy = runtime.plan.capacity, job.runtime.policy
-        result["replay"] = replay_all(traces, capacity, policy)
+        capacity, cfg = runtime.plan.capacity, job.runtime
+        result["replay"] = replay_all(traces, capacity, cfg.policy, cfg.lrfu_decay)
     return result
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .config import RuntimeConfig
 from .stats import RuntimeStats  # noqa: F401  (its old home)
 
 
@@ -33,12 +34,11 @@ class LRU(Policy):
 class LRFU(Policy):
     """Exponentially decayed use count (LRFU, Lee et al. 1999).
 
-    Each use adds 1; every token multiplies all counts by `decay`. Replaying
-    the trained fixture's routing at 25 % capacity, decay 0.98 (a half-life of
-    ~34 tokens) closes 43 % of the gap between LRU and Belady; LFUDA 34 %.
+    Each use adds 1; every token multiplies all counts by `decay`
+    (RuntimeConfig.lrfu_decay).
     """
 
-    def __init__(self, num_experts: int, decay: float = 0.98):
+    def __init__(self, num_experts: int, decay: float):
         super().__init__(num_experts)
         self.decay = decay
 
@@ -66,22 +66,32 @@ class LFUDA(Policy):
 POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lrfu": LRFU, "lfuda": LFUDA}
 
 
-def make_policy(name: str, num_experts: int) -> Policy:
+def make_policy(
+    name: str, num_experts: int, lrfu_decay: float = RuntimeConfig.lrfu_decay
+) -> Policy:
     if name not in POLICIES:
         raise ValueError(
             f"Unknown cache policy {name!r}; use one of {', '.join(POLICIES)}."
         )
+    if name == "lrfu":
+        return LRFU(num_experts, lrfu_decay)
     return POLICIES[name](num_experts)
 
 
 class SlotPool:
     """Which expert sits in which of `capacity` slots, and who is evicted next."""
 
-    def __init__(self, capacity: int, num_experts: int, policy: str = "lru"):
+    def __init__(
+        self,
+        capacity: int,
+        num_experts: int,
+        policy: str = "lru",
+        lrfu_decay: float = RuntimeConfig.lrfu_decay,
+    ):
         if capacity < 1:
             raise ValueError("A slot pool needs at least one slot.")
         self.capacity = capacity
-        self.policy = make_policy(policy, num_experts)
+        self.policy = make_policy(policy, num_experts, lrfu_decay)
         self.slot_of: dict[int, int] = {}
         self.free = list(range(capacity - 1, -1, -1))
         # expert -> slot as an array; `capacity` (the row past the pool) if absent.

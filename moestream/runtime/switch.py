@@ -36,18 +36,9 @@ from .stats import RuntimeStats
 from .store import ExpertStore, ReadAhead, SlotFiller
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
-# SwitchGLU sorts the pairs of a call this large; such calls never speculate.
+# mlx-lm's SwitchGLU sorts the pairs of a call this large (switch_layers.py);
+# such calls never speculate or split.
 SORTED_CALL = 64
-# A layer speculates while this share of its recent decode calls (decayed
-# by CLEAN_DECAY per call) missed nothing: a speculative call with misses
-# computes the missed rows twice.
-SPECULATE_ABOVE = 0.8
-CLEAN_DECAY = 0.9
-# A decode call with misses splits its rows (hits first, misses after their
-# reads) only when the misses are this large: smaller ones read faster than
-# the split's extra calls cost (trained fixture, 27 KB records: 0.60x resident
-# split vs 0.72x whole at 25 %; small model, 0.88 MB records: split wins).
-SPLIT_MIN_BYTES = 256 << 10
 
 
 def _assemble(parts: list[tuple[np.ndarray, mx.array]], shape: tuple) -> mx.array:
@@ -95,9 +86,10 @@ class StreamingSwitchGLU(nn.Module):
         self._outstanding = outstanding
         self._float_dtype = float_dtype
         cap = min(capacity, layer.num_experts)
-        self._pool = SlotPool(cap, layer.num_experts, config.policy)
+        self._pool = SlotPool(cap, layer.num_experts, config.policy, config.lrfu_decay)
         # One zero slot past the pool (the pool's table sends absent experts
         # there) for speculative calls and whole-call groups.
+        self._config = config
         self._speculate, self._whole = config.speculate, config.rows_whole
         self._spare = cap if config.spare_slot else None
         self._clean = 1.0  # decayed share of decode calls that missed nothing
@@ -179,7 +171,7 @@ class StreamingSwitchGLU(nn.Module):
         if (
             decode
             and self._speculate
-            and self._clean >= SPECULATE_ABOVE
+            and self._clean >= self._config.speculate_above
             and not self._foreseen_miss
         ):
             # The routing gets its own evaluation, so the sync below waits for
@@ -195,7 +187,7 @@ class StreamingSwitchGLU(nn.Module):
         missing = self._pool.absent(unique)
         split = (
             decode
-            and missing.size * self._layer.record_nbytes >= SPLIT_MIN_BYTES
+            and missing.size * self._layer.record_nbytes >= self._config.split_min_bytes
             and not self._whole
         )
         # Start what is resident computing before any bookkeeping or read.
@@ -218,8 +210,8 @@ class StreamingSwitchGLU(nn.Module):
         if unique.size > self.capacity:
             return self._issue(self._grouped(x, experts, unique), experts)
         if decode:
-            clean = not missing.size
-            self._clean = CLEAN_DECAY * self._clean + (1 - CLEAN_DECAY) * clean
+            decay = self._config.clean_decay
+            self._clean = decay * self._clean + (1 - decay) * (not missing.size)
         lut = self._load(unique, tokens)  # reads the misses
         if not missing.size:
             return self._issue(early, experts)
