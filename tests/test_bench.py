@@ -112,6 +112,8 @@ def test_bench_cli_prints_ratio_table(synthetic):
             "0",
             "--repeats",
             "1",
+            "--compare",
+            "speculate=false,policy=lru",
             "--json",
         ],
     )
@@ -122,15 +124,32 @@ def test_bench_cli_prints_ratio_table(synthetic):
         ("resident", "-"),
         ("50 %", "warm"),
         ("50 %", "cold"),
+        ("50 % speculate=false,policy=lru", "warm"),
+        ("50 % speculate=false,policy=lru", "cold"),
         ("25 % no-verify", "cold"),
     }
     for row in rows.values():
         assert row["tokens_match"]  # exact output in every run
         assert row["decode_tps"] > 0
+        assert len(row["decode_ratios"]) == 1
+    assert rows[("50 %", "warm")]["variant"] == ""
+    variant = rows[("50 % speculate=false,policy=lru", "warm")]
+    assert variant["variant"] == "speculate=false,policy=lru"
+    assert variant["early_calls"] == 0 < rows[("50 %", "warm")]["early_calls"]
     cold = rows[("50 %", "cold")]
     assert cold["capacity"] == 4 and cold["peak_over_budget"] > 0
     assert cold["belady"] >= cold["policy"] - 1e-9 and cold["belady"] >= cold["lru"]
     assert result["disk_gbps"]["qd1"] > 0
+
+
+def test_bench_refuses_bad_compare(synthetic):
+    bench = ["bench", str(synthetic), "--compare"]
+    r = CliRunner().invoke(moestream_cli, [*bench, "speculate"])
+    assert r.exit_code == 2 and "FIELD=VALUE" in r.output
+    r = CliRunner().invoke(moestream_cli, [*bench, "policy=mru"])
+    assert r.exit_code == 2 and "Unknown cache policy 'mru'" in r.output
+    r = CliRunner().invoke(moestream_cli, [*bench, "cache_experts=3"])
+    assert r.exit_code == 2 and "sets cache_experts per run" in r.output
 
 
 def test_bench_refuses_bad_budgets(synthetic):
