@@ -12,6 +12,7 @@ from .pool import POLICIES
 DEFAULT_CONTEXT = 4096
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREFETCH_READS = ("hint", "threads")
+ENGINES = ("python", "native")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class RuntimeConfig:
         speculative call with misses is run again whole. Default: on a GPU,
         whose gather kernels choose their algorithm by the rows of a call.
     record_trace: keep every routed expert id in the stats (benchmarks).
+    engine: "python" runs the reference path (one host sync per MoE layer);
+        "native" resolves slots and reads misses inside MLX's stream (the
+        compiled extension, CPU and CUDA), so decode never syncs per layer.
     """
 
     memory_budget: int | str | None = None
@@ -65,6 +69,7 @@ class RuntimeConfig:
     speculate: bool = True
     whole_calls: bool | None = None
     record_trace: bool = False
+    engine: str = "python"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -74,6 +79,10 @@ class RuntimeConfig:
         if self.prefetch_reads not in PREFETCH_READS:
             raise ValueError(
                 f"Unknown prefetch_reads {self.prefetch_reads!r}; use hint or threads."
+            )
+        if self.engine not in ENGINES:
+            raise ValueError(
+                f"Unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}."
             )
         if self.policy not in POLICIES:
             raise ValueError(

@@ -22,6 +22,8 @@ class RuntimeStats:
     late_calls: int = 0
     # Decode calls of layers that hold every expert: no read, no host sync.
     sync_free_calls: int = 0
+    # Calls whose slots the native engine resolved inside the stream.
+    native_calls: int = 0
     # Prefetch: experts predicted for the next layer and not resident then.
     prefetched: int = 0
     prefetched_used: int = 0  # ... that the next layer routed to
@@ -31,6 +33,8 @@ class RuntimeStats:
     # Routed experts per MoE layer and call, when recording a trace (benchmarks);
     # calls that never sync keep their (evaluated) mx.array: read with routing().
     trace: dict[int, list] | None = None
+    # Native expert caches whose counters `collect` folds in (engine="native").
+    native: list = field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float:
@@ -57,9 +61,17 @@ class RuntimeStats:
             for layer, rows in (self.trace or {}).items()
         }
 
+    def collect(self) -> RuntimeStats:
+        """Fold in what the native caches counted since the last collect."""
+        for cache in self.native:
+            for name, value in cache.take_counters().items():
+                setattr(self, name, getattr(self, name) + value)
+        return self
+
     def reset(self) -> None:
+        self.collect()
         for f in fields(self):
-            if f.name != "trace":
+            if f.name not in ("trace", "native"):
                 default = f.default_factory if f.default is MISSING else None
                 setattr(self, f.name, default() if default else f.default)
         if self.trace is not None:
@@ -79,6 +91,7 @@ class RuntimeStats:
             "early_calls": self.early_calls,
             "late_calls": self.late_calls,
             "sync_free_calls": self.sync_free_calls,
+            "native_calls": self.native_calls,
         }
 
 
