@@ -200,12 +200,15 @@ void ExpertCache::fill_host(const uint8_t* record, int slot) {
       std::memcpy(dst, src, seg.nbytes);
       continue;
     }
-    auto* out = reinterpret_cast<float*>(dst);
-    for (int64_t j = 0; j < seg.nbytes / 2; j++) {
-      uint16_t h;
-      std::memcpy(&h, src + 2 * j, 2);
-      out[j] = seg.widen == Widen::Bf16ToF32 ? bf16_to_f32(h) : f16_to_f32(h);
-    }
+    widen_host(src, seg, reinterpret_cast<float*>(dst));
+  }
+}
+
+void ExpertCache::widen_host(const uint8_t* src, const Segment& seg, float* out) {
+  for (int64_t j = 0; j < seg.nbytes / 2; j++) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * j, 2);
+    out[j] = seg.widen == Widen::Bf16ToF32 ? bf16_to_f32(h) : f16_to_f32(h);
   }
 }
 

@@ -70,6 +70,8 @@ class ExpertCache {
   void read_record(int expert, uint8_t* dst);
   // Copy a read record into slot memory on the host (CPU slots).
   void fill_host(const uint8_t* record, int slot);
+  // A 16-bit float segment widened to float32 (`seg.nbytes / 2` values).
+  static void widen_host(const uint8_t* src, const Segment& seg, float* out);
   // Kernel readahead for the predicted experts that are not resident.
   void hint(const uint32_t* experts, int64_t n);
 
