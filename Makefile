@@ -8,9 +8,14 @@ LINTED := moestream tests examples scripts
 
 .PHONY: install test test-all demo bench lint format clean
 
-$(STAMP): pyproject.toml
+NATIVE := setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc/CMakeLists.txt)
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check
+
+# The native engine is compiled against the venv's own MLX (no build isolation).
+$(STAMP): pyproject.toml $(NATIVE)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PIP) "setuptools>=68" "nanobind==3.1.0" "cmake>=3.25" "mlx[cpu]>=0.31,<0.40"
+	$(PIP) --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import moestream
 from moestream.formats import load_manifest
 from moestream.reference import resident_model
-from moestream.runtime import RuntimeConfig
+from moestream.runtime import RuntimeConfig, native
 from moestream.runtime.config import DTYPES, PREFETCH_READS
 from moestream.runtime.pool import POLICIES
 from moestream.synthetic import HUB_LAYOUTS
@@ -46,7 +46,7 @@ RUNTIME_CHOICES: dict[str, list] = {
     "speculate_above": [0.0, RuntimeConfig.speculate_above, 1.0],
     "clean_decay": [0.5, RuntimeConfig.clean_decay],
     "lrfu_decay": [0.5, RuntimeConfig.lrfu_decay],
-    "engine": ["python"],  # "native" joins when it is built
+    "engine": ["python", "native"] if native.available() else ["python"],
 }
 FAST_CASES, SLOW_CASES = 30, 1000
 FAST_SETS, SLOW_SETS = 8, 60  # option sets per run

@@ -98,7 +98,6 @@ def test_recipe_rejects(bits: str, message: str) -> None:
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("engine", "native", "native engine not built"),
         ("engine", "cuda", "Unknown engine 'cuda'"),
         ("policy", "mru", "Unknown cache policy 'mru'"),
         ("split_min_bytes", -1, "split_min_bytes must be in"),

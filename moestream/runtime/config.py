@@ -64,8 +64,9 @@ class RuntimeConfig:
     speculate_above: a layer speculates while this decayed share of its decode
         calls missed nothing; clean_decay: that share's decay per call.
     lrfu_decay: the `lrfu` policy's decay of every use count per token.
-    engine: "python" (this reference path) or "native" (the compiled
-        extension's slot lookup; not built yet).
+    engine: "python" runs the reference path (one host sync per MoE layer);
+        "native" resolves slots and reads misses inside MLX's stream (the
+        compiled extension, CPU and CUDA), so decode never syncs per layer.
     """
 
     memory_budget: int | str | None = None
@@ -110,8 +111,6 @@ class RuntimeConfig:
             raise ValueError(
                 f"Unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}."
             )
-        if self.engine == "native":
-            raise ValueError("native engine not built; use engine='python'.")
         for name, low, high in BOUNDS:
             value = getattr(self, name)
             if not low <= value <= high:

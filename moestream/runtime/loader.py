@@ -301,7 +301,7 @@ def _bound_allocators(plan: MemoryPlan) -> None:
 
 def stats(model: nn.Module) -> RuntimeStats:
     """The counters of a model returned by `load`."""
-    return runtime_of(model).stats
+    return runtime_of(model).stats.collect()
 
 
 def runtime_of(model: nn.Module) -> Runtime:

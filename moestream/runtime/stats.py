@@ -23,6 +23,8 @@ class RuntimeStats:
     late_calls: int = 0
     # Decode calls of layers that hold every expert: no read, no host sync.
     sync_free_calls: int = 0
+    # Calls whose slots the native engine resolved inside the stream.
+    native_calls: int = 0
     # Prefetch: experts predicted for the next layer and not resident then.
     prefetched: int = 0
     prefetched_used: int = 0  # ... that the next layer routed to
@@ -33,6 +35,8 @@ class RuntimeStats:
     recording: bool = False
     _events: list[dict] = field(default_factory=list, repr=False)
     _steps: dict[int, int] = field(default_factory=dict, repr=False)
+    # Native expert caches whose counters `collect` folds in (engine="native").
+    native: list = field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float:
@@ -57,13 +61,14 @@ class RuntimeStats:
         layer: int,
         experts: np.ndarray | mx.array,
         hits: int | None,
-        misses: int,
+        misses: int | None,
         prefetched: list[int],
-        bytes_read: int,
+        bytes_read: int | None,
     ) -> None:
         """One MoE layer call, when recording. `experts` may be an unevaluated
-        mx.array (sync-free calls; `hits` None: every distinct expert hit):
-        it is read only when `events` is, so recording adds no host sync."""
+        mx.array, read only when `events` is, so recording adds no host sync.
+        `hits` None with `misses` 0: every distinct expert hit (sync-free
+        calls); all three None: counted by the native engine, not per call."""
         if not self.recording:
             return
         step = self._steps.get(layer, 0)
@@ -86,12 +91,13 @@ class RuntimeStats:
         """One dict per MoE layer call since the last reset (empty unless
         `record_trace`): layer, step, tokens, experts (routed, flattened),
         hits and misses (distinct experts), prefetched (experts prefetched for
-        this layer before the call), bytes_read."""
+        this layer before the call), bytes_read; the native engine's calls
+        leave hits, misses and bytes_read None."""
         for e in self._events:
             if not isinstance(e["experts"], list):
                 flat = np.array(e["experts"]).reshape(-1)
                 e["experts"] = flat.tolist()
-                if e["hits"] is None:
+                if e["hits"] is None and e["misses"] == 0:
                     e["hits"] = len(np.unique(flat))
         return self._events
 
@@ -103,9 +109,17 @@ class RuntimeStats:
             rows.setdefault(e["layer"], []).append(routed)
         return {layer: np.concatenate(r) for layer, r in rows.items()}
 
+    def collect(self) -> RuntimeStats:
+        """Fold in what the native caches counted since the last collect."""
+        for cache in self.native:
+            for name, value in cache.take_counters().items():
+                setattr(self, name, getattr(self, name) + value)
+        return self
+
     def reset(self) -> None:
+        self.collect()
         for f in fields(self):
-            if f.name != "recording":
+            if f.name not in ("recording", "native"):
                 default = f.default_factory if f.default is MISSING else None
                 setattr(self, f.name, default() if default else f.default)
 
@@ -123,4 +137,5 @@ class RuntimeStats:
             "early_calls": self.early_calls,
             "late_calls": self.late_calls,
             "sync_free_calls": self.sync_free_calls,
+            "native_calls": self.native_calls,
         }

@@ -30,6 +30,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..formats import ExpertLayer
+from . import native
 from .config import RuntimeConfig
 from .pool import SlotPool
 from .stats import RuntimeStats
@@ -97,7 +98,22 @@ class StreamingSwitchGLU(nn.Module):
         # The expert -> slot table on the device once every expert is resident.
         self._all_resident: mx.array | None = None
         self._targets = self._allocate_slots()
-        self._filler = SlotFiller(store, layer, [m[n] for m, n in self._targets])
+        slots = [m[n] for m, n in self._targets]
+        self._native = None
+        if config.engine == "native":
+            self._native = native.expert_cache(
+                store.readers[layer.layer].path,
+                layer,
+                slots,
+                cap,
+                verify=store.verify,
+                policy=config.policy,
+                decay=config.lrfu_decay,
+                max_pairs=cap,
+            )
+            stats.native.append(self._native)
+        else:  # host views of the slots (on a GPU they become managed memory)
+            self._filler = SlotFiller(store, layer, slots)
         # Prefetch: the next MoE layer and its router's prediction from our input.
         self._next: StreamingSwitchGLU | None = None
         self._predict: Callable[[mx.array], mx.array] | None = None
@@ -112,6 +128,8 @@ class StreamingSwitchGLU(nn.Module):
     ) -> None:
         """Prefetch for `nxt` with `predict(x)`: its router applied to our input."""
         self._next, self._predict = nxt, predict
+        if self._native is not None:
+            self._native.chain(nxt._native)
 
     @property
     def capacity(self) -> int:
@@ -163,6 +181,8 @@ class StreamingSwitchGLU(nn.Module):
             self._stats.hits += indices.size
             self._stats.sync_free_calls += 1
             return self._inner(x, self._all_resident[indices])
+        if self._native is not None:
+            return self._native_call(x, indices)
         s = self._stats
         self._before = (s.hits, s.misses, s.bytes_read, list(self._prefetched))
         predicted = self._predict(x) if self._predict is not None else None
@@ -222,6 +242,27 @@ class StreamingSwitchGLU(nn.Module):
         late = np.flatnonzero(miss)
         parts.append((late, self._rows(x, experts, late, lut)))
         return self._issue(_assemble(parts, experts.shape), experts)
+
+    def _native_call(self, x: mx.array, indices: mx.array) -> mx.array:
+        """The native engine: slots resolved (misses read) inside the stream."""
+        error = self._native.take_error()
+        if error:
+            raise native.NativeEngineError(error)
+        if indices.size <= self.capacity:
+            predicted = self._predict(x) if self._predict is not None else None
+            # The native cache counts hits and misses in the stream.
+            self._stats.record(self._layer.layer, indices, None, None, [], None)
+            return self._inner(x, native.fetch(self._native, indices, predicted))
+        # More pairs than slots (prefill): host-side groups, as the Python path.
+        mx.eval(indices)
+        mx.synchronize()  # nothing in flight reads a slot the groups overwrite
+        experts = np.array(indices)
+        self._stats.record(self._layer.layer, experts, None, None, [], None)
+        unique = np.unique(experts)
+        if unique.size <= self.capacity:
+            lut = self._load(unique, experts.size // experts.shape[-1])
+            return self._inner(x, mx.array(lut[experts]))
+        return self._grouped(x, experts, unique)
 
     def _rows(
         self, x: mx.array, experts: np.ndarray, pairs: np.ndarray, lut: np.ndarray
@@ -284,6 +325,12 @@ class StreamingSwitchGLU(nn.Module):
 
     def _load(self, experts: np.ndarray, tokens: int = 1) -> np.ndarray:
         """Make `experts` resident; return the expert -> slot lookup table."""
+        if self._native is not None:
+            self._native.load(experts.tolist(), tokens)
+            table = np.array(self._native.table(), np.uint32)
+            if (table < self.capacity).all():
+                self._all_resident = mx.array(table)  # never evicts now
+            return table
         free = len(self._pool.free)
         slots, misses = self._pool.assign(experts, tokens)
         stats = self._stats

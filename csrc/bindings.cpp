@@ -1,0 +1,82 @@
+// Python bindings of the native expert engine: moestream._native.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "expert_cache.h"
+#include "mlx/version.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using moestream::ExpertCache;
+
+NB_MODULE(_native, m) {
+  m.doc() = "moestream's native expert engine (an MLX extension)";
+  m.attr("mlx_version") = mlx::core::version();
+  m.def("built_with_cuda", &moestream::built_with_cuda);
+  m.def("crc32", [](nb::bytes b, uint32_t crc) {
+    return moestream::crc32(
+        reinterpret_cast<const uint8_t*>(b.c_str()), b.size(), crc);
+  }, "data"_a, "crc"_a = 0);
+
+  nb::class_<ExpertCache>(m, "ExpertCache")
+      .def(
+          "__init__",
+          [](ExpertCache* self, const std::string& path, int64_t data_offset,
+             int64_t stride, int64_t record_nbytes, int num_experts,
+             int capacity,
+             const std::vector<std::tuple<int64_t, int64_t, int>>& segments,
+             std::vector<uint32_t> checksums, bool verify,
+             const std::string& policy, double decay, int max_pairs) {
+            std::vector<moestream::Segment> segs;
+            for (auto& [offset, nbytes, widen] : segments) {
+              segs.push_back({offset, nbytes, moestream::Widen(widen)});
+            }
+            new (self) ExpertCache(
+                path, data_offset, stride, record_nbytes, num_experts,
+                capacity, std::move(segs), std::move(checksums), verify,
+                policy == "lru", decay, max_pairs);
+          },
+          "path"_a, "data_offset"_a, "stride"_a, "record_nbytes"_a,
+          "num_experts"_a, "capacity"_a, "segments"_a, "checksums"_a,
+          "verify"_a, "policy"_a, "decay"_a, "max_pairs"_a)
+      .def("bind", &ExpertCache::bind, "slots"_a)
+      .def("chain", &ExpertCache::chain, "next"_a)
+      .def("load", &ExpertCache::load, "experts"_a, "tokens"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("table", &ExpertCache::table)
+      .def("forget_all", &ExpertCache::forget_all)
+      .def("take_error", [](ExpertCache& c) {
+        std::lock_guard<std::mutex> lock(c.error_mutex);
+        return std::exchange(c.error, std::string());
+      })
+      .def(
+          "take_counters",
+          [](ExpertCache& c) {
+            auto& k = c.counters;
+            nb::dict d;
+            d["hits"] = k.hits.exchange(0);
+            d["misses"] = k.misses.exchange(0);
+            d["evictions"] = k.evictions.exchange(0);
+            d["bytes_read"] = k.bytes_read.exchange(0);
+            d["native_calls"] = k.calls.exchange(0);
+            d["prefetched"] = k.prefetched.exchange(0);
+            d["prefetched_used"] = k.prefetched_used.exchange(0);
+            d["misses_prefetched"] = k.misses_prefetched.exchange(0);
+            d["prefetch_bytes"] = k.prefetch_bytes.exchange(0);
+            return d;
+          },
+          "The counters since the last call (they restart at zero).");
+
+  m.def(
+      "fetch",
+      [](std::shared_ptr<ExpertCache> cache, const mlx::core::array& inds,
+         const std::optional<mlx::core::array>& predicted) {
+        return moestream::fetch(std::move(cache), inds, predicted);
+      },
+      "cache"_a, "inds"_a, "predicted"_a = nb::none(),
+      "Slot ids for routed expert ids; misses are read inside the stream.");
+}

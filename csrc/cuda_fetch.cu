@@ -1,0 +1,282 @@
+// The CUDA side of ExpertFetch: three stream-ordered steps per MoE call, all
+// inside MLX's CUDA graph, so Python never waits on the router.
+//   1. a kernel copies the routed ids into pinned host memory (zero copy);
+//   2. a host function resolves slots and reads the misses into pinned staging;
+//   3. a kernel copies the staged records into their device slots (reading the
+//      pinned staging over the bus) and writes the slot ids.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <stdexcept>
+
+#include "expert_cache.h"
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/utils.h"
+
+namespace moestream {
+
+namespace cu = mlx::core::cu;
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(
+        std::string(what) + " failed: " + cudaGetErrorString(e));
+  }
+}
+
+template <typename T>
+T* pinned(size_t count) {
+  void* p = nullptr;
+  check(
+      cudaHostAlloc(&p, count * sizeof(T) + 16, cudaHostAllocMapped |
+                                                    cudaHostAllocPortable),
+      "cudaHostAlloc");
+  return static_cast<T*>(p);
+}
+
+struct SegDesc {
+  int64_t offset, nbytes, slot_bytes;
+  uint8_t* dst;
+  int widen;
+};
+
+struct Plan {
+  int n; // records staged by this call
+  int dst[1]; // their slots (max_stage entries follow)
+};
+
+// One staging area for every layer: layers run one after another on the
+// stream (each layer's host step waits for the previous layer's copies).
+struct Staging {
+  std::mutex mutex;
+  uint8_t* data{nullptr};
+  size_t bytes{0};
+};
+
+Staging& staging() {
+  static Staging s;
+  return s;
+}
+
+uint8_t* staging_for(size_t bytes) {
+  auto& s = staging();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.bytes < bytes) { // the old buffer may be in flight: it is kept
+    s.data = pinned<uint8_t>(bytes);
+    s.bytes = bytes;
+  }
+  return s.data;
+}
+
+} // namespace
+
+struct GpuState {
+  int max_stage, max_pred;
+  uint32_t* ids; // pinned: routed ids of the call in flight
+  uint32_t* pred; // pinned: predicted ids for the next layer
+  uint32_t* out; // pinned: slot per routed pair
+  Plan* plan; // pinned
+  uint8_t* stage; // pinned, shared
+  SegDesc* segs; // device
+  int nseg;
+};
+
+struct CallArgs {
+  ExpertCache* cache;
+  int64_t n;
+  int tokens;
+  int npred;
+};
+
+__global__ void export_ids(
+    const uint32_t* ids, uint32_t* host_ids, int n, const uint32_t* pred,
+    uint32_t* host_pred, int npred) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    host_ids[i] = ids[i];
+  }
+  for (int i = threadIdx.x; i < npred; i += blockDim.x) {
+    host_pred[i] = pred[i];
+  }
+  __threadfence_system();
+}
+
+__device__ float bf16_to_f32(uint16_t h) {
+  return __uint_as_float(uint32_t(h) << 16);
+}
+
+__global__ void apply_plan(
+    const Plan* plan, const uint8_t* stage, int64_t record_nbytes,
+    const SegDesc* segs, int nseg, const uint32_t* host_out, uint32_t* out,
+    int n) {
+  int j = blockIdx.y;
+  if (j == 0 && blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      out[i] = host_out[i];
+    }
+  }
+  if (j >= plan->n) {
+    return;
+  }
+  const uint8_t* record = stage + j * record_nbytes;
+  int slot = plan->dst[j];
+  int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  for (int s = 0; s < nseg; s++) {
+    const SegDesc& d = segs[s];
+    const uint8_t* src = record + d.offset;
+    uint8_t* dst = d.dst + slot * d.slot_bytes;
+    if (d.widen != 0) {
+      auto* h = reinterpret_cast<const uint16_t*>(src);
+      auto* f = reinterpret_cast<float*>(dst);
+      for (int64_t i = tid; i < d.nbytes / 2; i += threads) {
+        f[i] = d.widen == 1 ? bf16_to_f32(h[i]) : __half2float(
+                                                      __ushort_as_half(h[i]));
+      }
+      continue;
+    }
+    bool aligned = ((reinterpret_cast<uintptr_t>(src) |
+                     reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
+    int64_t vec = aligned ? d.nbytes / 16 : 0;
+    auto* s16 = reinterpret_cast<const uint4*>(src);
+    auto* d16 = reinterpret_cast<uint4*>(dst);
+    for (int64_t i = tid; i < vec; i += threads) {
+      d16[i] = s16[i];
+    }
+    for (int64_t i = vec * 16 + tid; i < d.nbytes; i += threads) {
+      dst[i] = src[i];
+    }
+  }
+}
+
+void CUDART_CB resolve_on_host(void* p) {
+  auto* a = static_cast<CallArgs*>(p);
+  auto& c = *a->cache;
+  auto& g = *c.gpu;
+  g.plan->n = 0;
+  try {
+    c.resolve(g.ids, a->n, a->tokens, g.out, [&](int e, int s) {
+      int i = g.plan->n;
+      c.read_record(e, g.stage + i * c.record_nbytes);
+      g.plan->dst[i] = s;
+      g.plan->n = i + 1;
+    });
+    if (a->npred && c.next()) {
+      c.next()->hint(g.pred, a->npred);
+    }
+  } catch (const std::exception& e) {
+    c.set_error(e.what());
+    g.plan->n = 0;
+    for (int64_t i = 0; i < a->n; i++) {
+      g.out[i] = 0; // in range; the error is raised before the next call
+    }
+  }
+  delete a;
+}
+
+namespace {
+
+GpuState& gpu_state(ExpertCache& c) {
+  if (c.gpu) {
+    return *c.gpu;
+  }
+  cu::device(mlx::core::Device(mlx::core::Device::gpu)).make_current();
+  auto g = std::make_shared<GpuState>();
+  g->max_stage = std::min(c.capacity, c.max_pairs);
+  g->max_pred = 4 * c.num_experts;
+  g->ids = pinned<uint32_t>(c.max_pairs);
+  g->pred = pinned<uint32_t>(g->max_pred);
+  g->out = pinned<uint32_t>(c.max_pairs);
+  g->plan = reinterpret_cast<Plan*>(pinned<int>(g->max_stage + 1));
+  g->plan->n = 0;
+  g->stage = staging_for(size_t(g->max_stage) * c.record_nbytes);
+  std::vector<SegDesc> segs;
+  for (size_t i = 0; i < c.segments.size(); i++) {
+    auto& a = c.slots[i];
+    segs.push_back(
+        {c.segments[i].offset, c.segments[i].nbytes,
+         int64_t(a.nbytes() / a.shape(0)),
+         static_cast<uint8_t*>(mlx::core::gpu_ptr<void>(a)),
+         int(c.segments[i].widen)});
+  }
+  g->nseg = int(segs.size());
+  check(cudaMalloc(&g->segs, segs.size() * sizeof(SegDesc)), "cudaMalloc");
+  check(
+      cudaMemcpy(g->segs, segs.data(), segs.size() * sizeof(SegDesc),
+                 cudaMemcpyHostToDevice),
+      "cudaMemcpy");
+  c.gpu = g;
+  return *g;
+}
+
+} // namespace
+
+void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
+               mx::array& out, bool predicted, mx::Stream s) {
+  auto& enc = cu::get_command_encoder(s);
+  enc.device().make_current();
+  auto& g = gpu_state(c);
+  auto& inds = inputs[0];
+  int64_t n = inds.size();
+  if (n > c.max_pairs) {
+    throw std::runtime_error("more routed pairs than the native call holds");
+  }
+  int npred = predicted ? int(std::min<size_t>(inputs[1].size(), g.max_pred))
+                        : 0;
+  out.set_data(cu::malloc_async(out.nbytes(), enc));
+  const uint32_t* pred = predicted ? mlx::core::gpu_ptr<uint32_t>(inputs[1])
+                                   : nullptr;
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  enc.add_kernel_node(
+      export_ids, dim3(1), dim3(256), mlx::core::gpu_ptr<uint32_t>(inds), g.ids,
+      int(n), pred, g.pred, npred);
+  int tokens = int(n / std::max<int64_t>(1, inds.shape(-1)));
+  enc.set_input_array(out);
+  enc.set_output_array(out);
+  {
+    auto capture = enc.capture_context();
+    check(
+        cudaLaunchHostFunc(enc.stream(), resolve_on_host,
+                           new CallArgs{&c, n, tokens, npred}),
+        "cudaLaunchHostFunc");
+  }
+  enc.set_input_array(out);
+  enc.set_output_array(out);
+  enc.add_kernel_node(
+      apply_plan, dim3(32, g.max_stage), dim3(256), g.plan, g.stage,
+      c.record_nbytes, g.segs, g.nseg, g.out, mlx::core::gpu_ptr<uint32_t>(out),
+      int(n));
+}
+
+void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {
+  gpu_state(c);
+  cu::device(mlx::core::Device(mlx::core::Device::gpu)).make_current();
+  std::vector<float> widened;
+  for (size_t i = 0; i < c.segments.size(); i++) {
+    auto& seg = c.segments[i];
+    auto& a = c.slots[i];
+    size_t slot_bytes = a.nbytes() / a.shape(0);
+    auto* dst = static_cast<uint8_t*>(mlx::core::gpu_ptr<void>(a)) +
+        slot * slot_bytes;
+    const void* src = record + seg.offset;
+    size_t nbytes = seg.nbytes;
+    if (seg.widen != Widen::None) {
+      widened.resize(seg.nbytes / 2);
+      c.widen_host(record + seg.offset, seg, widened.data());
+      src = widened.data();
+      nbytes = widened.size() * 4;
+    }
+    check(cudaMemcpy(dst, src, nbytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+}
+
+bool built_with_cuda() {
+  return true;
+}
+
+} // namespace moestream

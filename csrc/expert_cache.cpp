@@ -1,0 +1,408 @@
+#include "expert_cache.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+
+namespace moestream {
+
+namespace {
+
+// zlib's CRC-32 (reflected 0xEDB88320), slice-by-8.
+struct CrcTables {
+  uint32_t t[8][256];
+  CrcTables() {
+    for (uint32_t i = 0; i < 256; i++) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; k++) {
+        c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      }
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++) {
+      for (int s = 1; s < 8; s++) {
+        t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
+      }
+    }
+  }
+};
+
+const CrcTables& crc_tables() {
+  static CrcTables tables;
+  return tables;
+}
+
+std::string os_error(const std::string& what) {
+  return what + ": " + std::strerror(errno);
+}
+
+float bf16_to_f32(uint16_t h) {
+  uint32_t w = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+float f16_to_f32(uint16_t h) {
+  // Exact IEEE half -> single, subnormals included.
+  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F,
+           man = h & 0x3FF, w;
+  if (exp == 0x1F) {
+    w = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    w = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    w = sign;
+  } else {
+    int e = -1;
+    do {
+      e++;
+      man <<= 1;
+    } while (!(man & 0x400));
+    w = sign | (uint32_t(112 - e) << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+} // namespace
+
+uint32_t crc32(const uint8_t* p, size_t n, uint32_t crc) {
+  const auto& t = crc_tables().t;
+  crc = ~crc;
+  while (n >= 8) {
+    uint32_t a, b;
+    std::memcpy(&a, p, 4);
+    std::memcpy(&b, p + 4, 4);
+    a ^= crc;
+    crc = t[7][a & 0xFF] ^ t[6][(a >> 8) & 0xFF] ^ t[5][(a >> 16) & 0xFF] ^
+        t[4][a >> 24] ^ t[3][b & 0xFF] ^ t[2][(b >> 8) & 0xFF] ^
+        t[1][(b >> 16) & 0xFF] ^ t[0][b >> 24];
+    p += 8;
+    n -= 8;
+  }
+  while (n--) {
+    crc = t[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+  }
+  return ~crc;
+}
+
+ExpertCache::ExpertCache(
+    const std::string& path,
+    int64_t data_offset,
+    int64_t stride,
+    int64_t record_nbytes,
+    int num_experts,
+    int capacity,
+    std::vector<Segment> segments,
+    std::vector<uint32_t> checksums,
+    bool verify,
+    bool lru,
+    double decay,
+    int max_pairs)
+    : path_(path),
+      num_experts(num_experts),
+      capacity(capacity),
+      max_pairs(max_pairs),
+      record_nbytes(record_nbytes),
+      segments(std::move(segments)),
+      data_offset_(data_offset),
+      stride_(stride),
+      checksums_(std::move(checksums)),
+      verified_(num_experts, 0),
+      verify_(verify),
+      lru_(lru),
+      decay_(decay),
+      score_(num_experts, 0.0),
+      slot_of_(num_experts, -1),
+      expert_in_(capacity, -1),
+      prefetched_(num_experts, 0),
+      staging_(record_nbytes) {
+  if (capacity < 1 || capacity > num_experts) {
+    throw std::invalid_argument("capacity must be in 1..num_experts");
+  }
+  if (verify_ && int(checksums_.size()) != num_experts) {
+    throw std::invalid_argument("one checksum per expert is needed");
+  }
+  for (int s = capacity - 1; s >= 0; s--) {
+    free_.push_back(s);
+  }
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) {
+    throw std::runtime_error(os_error("Cannot open " + path));
+  }
+}
+
+ExpertCache::~ExpertCache() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+}
+
+void ExpertCache::bind(std::vector<mx::array> s) {
+  if (s.size() != segments.size()) {
+    throw std::invalid_argument("one slot array per segment is needed");
+  }
+  slots = std::move(s);
+}
+
+void ExpertCache::set_error(const std::string& e) {
+  std::lock_guard<std::mutex> lock(error_mutex);
+  if (error.empty()) {
+    error = e;
+  }
+}
+
+void ExpertCache::read_record(int expert, uint8_t* dst) {
+  int64_t offset = data_offset_ + int64_t(expert) * stride_, done = 0;
+  while (done < record_nbytes) {
+    ssize_t n = ::pread(fd_, dst + done, record_nbytes - done, offset + done);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      throw std::runtime_error(
+          n < 0 ? os_error(
+                      "Cannot read expert " + std::to_string(expert) +
+                      " from " + path_)
+                : "Expert " + std::to_string(expert) + " lies past the end of " +
+                  path_ + "; convert again.");
+    }
+    done += n;
+  }
+  if (verify_ && !verified_[expert]) {
+    if (crc32(dst, record_nbytes) != checksums_[expert]) {
+      throw std::runtime_error(
+          "Expert " + std::to_string(expert) + " in " + path_ +
+          " fails its checksum; the file is corrupted: convert again.");
+    }
+    verified_[expert] = 1;
+  }
+  counters.bytes_read += record_nbytes;
+}
+
+void ExpertCache::fill_host(const uint8_t* record, int slot) {
+  for (size_t i = 0; i < segments.size(); i++) {
+    const auto& seg = segments[i];
+    auto& a = slots[i];
+    size_t slot_bytes = a.nbytes() / a.shape(0);
+    uint8_t* dst = a.data<uint8_t>() + slot * slot_bytes;
+    const uint8_t* src = record + seg.offset;
+    if (seg.widen == Widen::None) {
+      std::memcpy(dst, src, seg.nbytes);
+      continue;
+    }
+    widen_host(src, seg, reinterpret_cast<float*>(dst));
+  }
+}
+
+void ExpertCache::widen_host(const uint8_t* src, const Segment& seg, float* out) {
+  for (int64_t j = 0; j < seg.nbytes / 2; j++) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * j, 2);
+    out[j] = seg.widen == Widen::Bf16ToF32 ? bf16_to_f32(h) : f16_to_f32(h);
+  }
+}
+
+void ExpertCache::hint(const uint32_t* experts, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t e = experts[i];
+    if (e >= uint32_t(num_experts) || slot_of_[e] >= 0 || prefetched_[e]) {
+      continue;
+    }
+    prefetched_[e] = 1;
+    counters.prefetched += 1;
+    counters.prefetch_bytes += record_nbytes;
+    ::posix_fadvise(
+        fd_, data_offset_ + int64_t(e) * stride_, record_nbytes,
+        POSIX_FADV_WILLNEED);
+  }
+}
+
+int ExpertCache::victim(const std::vector<char>& keep) {
+  if (!free_.empty()) {
+    int s = free_.back();
+    free_.pop_back();
+    return s;
+  }
+  int best = -1;
+  for (int s = 0; s < capacity; s++) {
+    int e = expert_in_[s];
+    if (!keep[e] && (best < 0 || score_[e] < score_[expert_in_[best]])) {
+      best = s;
+    }
+  }
+  slot_of_[expert_in_[best]] = -1;
+  counters.evictions += 1;
+  return best;
+}
+
+void ExpertCache::used(const std::vector<int>& experts, int tokens) {
+  if (lru_) {
+    clock_ += 1;
+    for (int e : experts) {
+      score_[e] = double(clock_);
+    }
+    return;
+  }
+  double f = 1.0;
+  for (int t = 0; t < tokens; t++) {
+    f *= decay_;
+  }
+  for (auto& s : score_) {
+    s *= f;
+  }
+  for (int e : experts) {
+    score_[e] += 1.0;
+  }
+}
+
+void ExpertCache::resolve(
+    const uint32_t* experts,
+    int64_t n,
+    int tokens,
+    uint32_t* out,
+    const std::function<void(int, int)>& write) {
+  std::vector<char> keep(num_experts, 0);
+  std::vector<int> unique;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t e = experts[i];
+    if (e >= uint32_t(num_experts)) {
+      throw std::runtime_error("routed expert id out of range");
+    }
+    if (!keep[e]) {
+      keep[e] = 1;
+      unique.push_back(int(e));
+    }
+  }
+  if (int(unique.size()) > capacity) {
+    throw std::runtime_error("more routed experts than slots in one call");
+  }
+  counters.calls += 1;
+  for (int e : unique) {
+    if (prefetched_[e]) {
+      counters.prefetched_used += 1;
+    }
+    if (slot_of_[e] >= 0) {
+      counters.hits += 1;
+      prefetched_[e] = 0;
+      continue;
+    }
+    int s = victim(keep);
+    counters.misses += 1;
+    if (prefetched_[e]) {
+      counters.misses_prefetched += 1;
+      prefetched_[e] = 0;
+    }
+    expert_in_[s] = -1;
+    try {
+      write(e, s);
+    } catch (...) {
+      free_.push_back(s); // its content is partial: the slot stays free
+      throw;
+    }
+    expert_in_[s] = e;
+    slot_of_[e] = s;
+  }
+  used(unique, tokens);
+  for (int64_t i = 0; i < n; i++) {
+    out[i] = uint32_t(slot_of_[experts[i]]);
+  }
+}
+
+void ExpertCache::load(const std::vector<int>& experts, int tokens) {
+  std::vector<uint32_t> ids(experts.begin(), experts.end());
+  std::vector<uint32_t> out(ids.size());
+  bool host = slots.empty() || !gpu;
+  resolve(ids.data(), ids.size(), tokens, out.data(), [&](int e, int s) {
+    read_record(e, staging_.data());
+    if (host) {
+      fill_host(staging_.data(), s);
+    } else {
+      gpu_load_copy(*this, staging_.data(), s);
+    }
+  });
+}
+
+std::vector<int> ExpertCache::table() const {
+  std::vector<int> t(num_experts);
+  for (int e = 0; e < num_experts; e++) {
+    t[e] = slot_of_[e] < 0 ? capacity : slot_of_[e];
+  }
+  return t;
+}
+
+void ExpertCache::forget_all() {
+  free_.clear();
+  for (int s = capacity - 1; s >= 0; s--) {
+    free_.push_back(s);
+    expert_in_[s] = -1;
+  }
+  std::fill(slot_of_.begin(), slot_of_.end(), -1);
+}
+
+void ExpertFetch::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& inds = inputs[0];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  std::optional<mx::array> predicted;
+  if (predicted_) {
+    predicted = inputs[1];
+  }
+  enc.dispatch([cache = cache_, inds, predicted, out]() mutable {
+    int64_t n = inds.size();
+    int tokens = int(n / std::max<int64_t>(1, inds.shape(-1)));
+    auto* ids = inds.data<uint32_t>();
+    auto* slots = out.data<uint32_t>();
+    auto& c = *cache;
+    c.resolve(ids, n, tokens, slots, [&](int e, int s) {
+      c.read_record(e, c.staging());
+      c.fill_host(c.staging(), s);
+    });
+    if (predicted && c.next()) {
+      c.next()->hint(predicted->data<uint32_t>(), predicted->size());
+    }
+  });
+}
+
+void ExpertFetch::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  gpu_fetch(*cache_, inputs, outputs[0], predicted_, stream());
+}
+
+mx::array fetch(
+    std::shared_ptr<ExpertCache> cache,
+    const mx::array& inds,
+    const std::optional<mx::array>& predicted) {
+  auto s = mx::default_stream(mx::default_device());
+  std::vector<mx::array> inputs = {
+      mx::contiguous(mx::astype(inds, mx::uint32, s), false, s)};
+  if (predicted) {
+    inputs.push_back(
+        mx::contiguous(mx::astype(*predicted, mx::uint32, s), false, s));
+  }
+  auto shape = inds.shape();
+  return mx::array(
+      shape,
+      mx::uint32,
+      std::make_shared<ExpertFetch>(s, std::move(cache), bool(predicted)),
+      std::move(inputs));
+}
+
+} // namespace moestream

@@ -1,0 +1,156 @@
+// The native expert engine: per-layer slot tables and record reads that run
+// inside MLX's stream, so a decode step never returns to Python per layer.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <optional>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace moestream {
+
+// How a stored segment becomes slot memory.
+enum class Widen : int { None = 0, Bf16ToF32 = 1, F16ToF32 = 2 };
+
+struct Segment {
+  int64_t offset; // inside the record
+  int64_t nbytes; // stored bytes of one expert
+  Widen widen;
+};
+
+struct Counters {
+  std::atomic<int64_t> hits{0}, misses{0}, evictions{0}, bytes_read{0};
+  std::atomic<int64_t> calls{0}, prefetched{0}, prefetched_used{0};
+  std::atomic<int64_t> misses_prefetched{0}, prefetch_bytes{0};
+};
+
+uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc = 0);
+
+struct GpuState; // CUDA side: pinned buffers and kernels (cuda_fetch.cu)
+
+// One MoE layer: which expert sits in which slot, who is evicted next, and
+// the reads that bring a record into its slot.
+class ExpertCache {
+ public:
+  ExpertCache(
+      const std::string& path,
+      int64_t data_offset,
+      int64_t stride,
+      int64_t record_nbytes,
+      int num_experts,
+      int capacity,
+      std::vector<Segment> segments,
+      std::vector<uint32_t> checksums,
+      bool verify,
+      bool lru,
+      double decay,
+      int max_calls_pairs);
+  ~ExpertCache();
+
+  // The slot arrays, one per segment, `[capacity (+ spare), ...]`, evaluated.
+  void bind(std::vector<mx::array> slots);
+  void chain(std::shared_ptr<ExpertCache> next) {
+    next_ = std::move(next);
+  }
+
+  // Slot of every routed pair in `experts` (unique count <= capacity),
+  // reading the misses; `write` copies a record into a slot.
+  void resolve(const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
+               const std::function<void(int, int)>& write);
+  // Host-side read of a record into `dst` (record_nbytes), verified once.
+  void read_record(int expert, uint8_t* dst);
+  // Copy a read record into slot memory on the host (CPU slots).
+  void fill_host(const uint8_t* record, int slot);
+  // A 16-bit float segment widened to float32 (`seg.nbytes / 2` values).
+  static void widen_host(const uint8_t* src, const Segment& seg, float* out);
+  // Kernel readahead for the predicted experts that are not resident.
+  void hint(const uint32_t* experts, int64_t n);
+
+  // Make `experts` resident now (host-blocking; the caller has synchronized).
+  void load(const std::vector<int>& experts, int tokens);
+  std::vector<int> table() const;
+  void forget_all();
+
+  uint8_t* staging() {
+    return staging_.data();
+  }
+
+  const std::string path_;
+  Counters counters;
+  std::string error; // the first read error of a stream-side fetch
+  std::mutex error_mutex;
+  void set_error(const std::string& e);
+
+  int num_experts, capacity, max_pairs;
+  int64_t record_nbytes;
+  std::vector<mx::array> slots;
+  std::vector<Segment> segments;
+  std::shared_ptr<GpuState> gpu; // made by the first GPU fetch
+
+ private:
+  int victim(const std::vector<char>& keep);
+  void used(const std::vector<int>& experts, int tokens);
+
+  int fd_;
+  int64_t data_offset_, stride_;
+  std::vector<uint32_t> checksums_;
+  std::vector<char> verified_;
+  bool verify_, lru_;
+  double decay_;
+  int64_t clock_{0};
+  std::vector<double> score_;
+  std::vector<int> slot_of_; // expert -> slot, -1 when absent
+  std::vector<int> expert_in_; // slot -> expert, -1 when free
+  std::vector<int> free_;
+  std::vector<char> prefetched_; // hinted since its last call
+  std::vector<uint8_t> staging_;
+  std::shared_ptr<ExpertCache> next_;
+
+ public:
+  std::shared_ptr<ExpertCache> next() const {
+    return next_;
+  }
+};
+
+// routed expert ids -> slot ids, loading misses inside the stream.
+class ExpertFetch : public mx::Primitive {
+ public:
+  ExpertFetch(mx::Stream s, std::shared_ptr<ExpertCache> cache, bool predicted)
+      : mx::Primitive(s), cache_(std::move(cache)), predicted_(predicted) {}
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "ExpertFetch";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return false; // stateful: never merged by compile
+  }
+
+ private:
+  std::shared_ptr<ExpertCache> cache_;
+  bool predicted_;
+};
+
+// `inds` routed expert ids (any shape, uint32); `predicted` the next layer's
+// likely experts or none. Returns slot ids of the same shape.
+mx::array fetch(std::shared_ptr<ExpertCache> cache, const mx::array& inds,
+                const std::optional<mx::array>& predicted);
+
+// Implemented in cuda_fetch.cu when built with CUDA, else throw.
+void gpu_fetch(ExpertCache& cache, const std::vector<mx::array>& inputs,
+               mx::array& out, bool predicted, mx::Stream s);
+void gpu_load_copy(ExpertCache& cache, const uint8_t* record, int slot);
+bool built_with_cuda();
+
+} // namespace moestream

@@ -1,0 +1,29 @@
+// Builds without CUDA: the GPU entry points say so.
+#include <stdexcept>
+
+#include "expert_cache.h"
+
+namespace moestream {
+
+namespace {
+[[noreturn]] void no_cuda() {
+  throw std::runtime_error(
+      "moestream's native engine was built without CUDA; reinstall it where "
+      "nvcc is on the PATH, or use engine='python'.");
+}
+} // namespace
+
+void gpu_fetch(ExpertCache&, const std::vector<mx::array>&, mx::array&, bool,
+               mx::Stream) {
+  no_cuda();
+}
+
+void gpu_load_copy(ExpertCache&, const uint8_t*, int) {
+  no_cuda();
+}
+
+bool built_with_cuda() {
+  return false;
+}
+
+} // namespace moestream

@@ -1,0 +1,110 @@
+"""The native engine: slot lookup and expert reads inside MLX's stream.
+
+`RuntimeConfig.engine="native"` hands each streaming layer an `ExpertCache`
+(csrc/, built by `pip install`) whose `fetch` primitive turns routed expert
+ids into slot ids while MLX evaluates the graph: misses are read on the
+stream (CPU) or by a host function in the CUDA stream that stages them in
+pinned memory for a copy kernel, so a decode step never returns to Python
+between MoE layers. The Python engine (switch.py) is the reference path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..formats import ExpertLayer
+
+try:  # mlx.core first: the extension links against the libmlx it loaded
+    from .. import _native
+except ImportError as e:  # not built (macOS, or an install without a compiler)
+    _native = None
+    _IMPORT_ERROR = str(e)
+
+# How a stored float segment becomes its slot dtype (the extension's Widen).
+WIDEN = {
+    ("bfloat16", mx.float32): 1,
+    ("float16", mx.float32): 2,
+}
+
+
+class NativeEngineError(RuntimeError):
+    """The native engine cannot run here; engine='python' can."""
+
+
+def available() -> bool:
+    return _native is not None and _native.mlx_version == mx.__version__
+
+
+def require() -> None:
+    """Raise one clear line when the native engine cannot run in this process."""
+    if _native is None:
+        raise NativeEngineError(
+            f"moestream's native engine is not built ({_IMPORT_ERROR}); "
+            "reinstall with `pip install -e .` and a C++ compiler, or use "
+            "engine='python'."
+        )
+    if _native.mlx_version != mx.__version__:
+        raise NativeEngineError(
+            f"moestream's native engine was built against MLX "
+            f"{_native.mlx_version} but MLX {mx.__version__} is installed; "
+            "reinstall moestream, or use engine='python'."
+        )
+    if mx.default_device() != mx.cpu and not _native.built_with_cuda():
+        raise NativeEngineError(
+            "moestream's native engine has no implementation for "
+            f"{mx.default_device()} here (it was built without CUDA); "
+            "use engine='python'."
+        )
+
+
+def _widen(stored: str, slot: mx.Dtype) -> int:
+    if stored == str(slot).removeprefix("mlx.core."):
+        return 0
+    if (stored, slot) not in WIDEN:
+        raise NativeEngineError(
+            f"The native engine cannot turn {stored} records into {slot} slots; "
+            "use engine='python' or the stored dtype."
+        )
+    return WIDEN[(stored, slot)]
+
+
+def expert_cache(
+    path: Path,
+    layer: ExpertLayer,
+    slots: list[mx.array],
+    capacity: int,
+    *,
+    verify: bool,
+    policy: str,
+    decay: float,
+    max_pairs: int,
+) -> object:
+    """The native cache of one MoE layer over its evaluated slot arrays."""
+    require()
+    segments = [
+        (seg.offset, seg.nbytes, _widen(seg.dtype, a.dtype))
+        for seg, a in zip(layer.segments, slots, strict=True)
+    ]
+    cache = _native.ExpertCache(
+        path=str(path),
+        data_offset=layer.data_offset,
+        stride=layer.stride,
+        record_nbytes=layer.record_nbytes,
+        num_experts=layer.num_experts,
+        capacity=capacity,
+        segments=segments,
+        checksums=[int(c, 16) for c in layer.checksums] if verify else [],
+        verify=verify,
+        policy=policy,
+        decay=decay,
+        max_pairs=max_pairs,
+    )
+    cache.bind(slots)
+    return cache
+
+
+def fetch(cache: object, indices: mx.array, predicted: mx.array | None) -> mx.array:
+    """Slot ids for `indices`; the misses are read when MLX evaluates them."""
+    return _native.fetch(cache, indices, predicted)
