@@ -26,6 +26,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 
 from ..families import cast_floating
 from ..formats import load_manifest
+from ..formats.verify import check_files
 from ..reference import resident_from_converted
 from ..runtime.config import RuntimeConfig
 from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
@@ -68,6 +69,8 @@ def run(job: Job) -> dict:
         runtime = None
     else:
         context = job.prompt_tokens + job.decode_tokens + 1
+        if job.runtime.verify:  # as load will: its read buffers stay in RSS
+            check_files(out, load_manifest(out))
         budget = budget_for(out, job.capacity, context, job.runtime)
         gc.collect()
         options = replace(
