@@ -1,7 +1,7 @@
 """Runtime modes side by side in one process, decode steps interleaved.
 
     python scripts/mode_ab.py OUT --budget 25 [--compare speculate=false ...]
-        [--steps 48] [--warmup 8] [--seed 0]
+        [--steps 48] [--warmup 8] [--seed 0] [--cold]
 
 Loads mlx-lm's resident model and one streaming model per variant (the base
 RuntimeConfig, then each `--compare FIELD=VALUE[,...]` as `moestream bench`
@@ -10,6 +10,8 @@ decode step of each model, in a new random order, so a burst of load from
 other processes hits all of them alike; prints each variant's median step
 time and, per round, its time over the base's: median and quartiles. Every
 model must produce the same tokens (seeded sampling, one key per step).
+`--cold` drops the blobs from the page cache before every streaming step, so
+each step's misses come from the disk.
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ from moestream.reference import resident_from_converted
 class Decoder:
     """One model's sampled decode, one synchronous step at a time."""
 
-    def __init__(self, model, prompt: mx.array, seed: int):
+    def __init__(self, model, prompt: mx.array, seed: int, cold: bool = False):
         self.model, self.cache = model, make_prompt_cache(model)
+        self.store = moestream.runtime_of(model).store if cold else None
         self.key = mx.random.key(seed)
         self.logits = model(prompt[None], cache=self.cache)[:, -1]
         self.tokens: list[int] = []
 
     def step(self) -> float:
+        if self.store is not None:
+            self.store.drop_cache()
         start = time.perf_counter()
         self.key, k = mx.random.split(self.key)
         token = mx.random.categorical(self.logits, key=k)
@@ -64,6 +69,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cold", action="store_true")
     a = p.parse_args()
     experts = max(layer.num_experts for layer in load_manifest(a.out).layers)
     top_k = int(load_config(Path(a.out)).get("num_experts_per_tok", 1))
@@ -74,7 +80,10 @@ def main() -> None:
     models = {"resident": resident_from_converted(a.out)}
     for label, fields in variants:
         models[label] = moestream.load(a.out, cache_experts=cap, **fields)[0]
-    decoders = {k: Decoder(m, prompt, a.seed) for k, m in models.items()}
+    decoders = {
+        k: Decoder(m, prompt, a.seed, a.cold and k != "resident")
+        for k, m in models.items()
+    }
     rng = random.Random(a.seed)
     times: dict[str, list[float]] = {k: [] for k in decoders}
     for i in range(a.warmup + a.steps):
@@ -85,7 +94,10 @@ def main() -> None:
             if i >= a.warmup:
                 times[k].append(t)
     same = {k: d.tokens == decoders["resident"].tokens for k, d in decoders.items()}
-    print(f"{a.out}: {cap} of {experts} slots ({a.budget:g} %), {a.steps} steps")
+    mode = "cold" if a.cold else "warm"
+    print(
+        f"{a.out}: {cap} of {experts} slots ({a.budget:g} %), {a.steps} steps, {mode}"
+    )
     print("| variant | median ms/step | x resident | time / base: q1, median, q3 |")
     print("|---|---|---|---|")
     res = statistics.median(times["resident"])
