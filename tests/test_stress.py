@@ -21,7 +21,7 @@ import moestream
 from moestream.formats import load_manifest
 from moestream.reference import resident_model
 from moestream.runtime import RuntimeConfig, native
-from moestream.runtime.config import DTYPES, PREFETCH_READS
+from moestream.runtime.config import DTYPES
 from moestream.runtime.pool import POLICIES
 from moestream.synthetic import HUB_LAYOUTS
 
@@ -38,13 +38,8 @@ RUNTIME_CHOICES: dict[str, list] = {
     "policy": list(POLICIES),
     "prefetch": [False, True],
     "prefetch_extra": [0, 2, 5],
-    "prefetch_reads": list(PREFETCH_READS),
-    "speculate": [False, True],
     "whole_calls": [None, False, True],
     "record_trace": [False, True],
-    "split_min_bytes": [0, RuntimeConfig.split_min_bytes, 1 << 40],
-    "speculate_above": [0.0, RuntimeConfig.speculate_above, 1.0],
-    "clean_decay": [0.5, RuntimeConfig.clean_decay],
     "lrfu_decay": [0.5, RuntimeConfig.lrfu_decay],
     "engine": ["python", "native"] if native.available() else ["python"],
 }

@@ -27,7 +27,7 @@ def _value(text: str) -> object:
 
 
 def parse_compare(text: str) -> tuple[str, dict]:
-    """`speculate=false,prefetch=false` -> (that label, RuntimeConfig fields)."""
+    """`prefetch=false,policy=lru` -> (that label, RuntimeConfig fields)."""
     known = {f.name for f in fields(RuntimeConfig)}
     out = {}
     for part in text.split(","):
@@ -78,30 +78,11 @@ def _floats(text: str) -> tuple[float, ...]:
     help="Experts predicted beyond the router's top-k.",
 )
 @click.option(
-    "--prefetch-reads",
-    type=click.Choice(["hint", "threads"]),
-    default="hint",
-    show_default=True,
-    help="Read ahead with kernel hints or reader threads.",
-)
-@click.option(
-    "--no-speculate",
-    is_flag=True,
-    help="Sync on the routing before starting each decode layer's experts.",
-)
-@click.option(
-    "--split-min-bytes",
-    default=RuntimeConfig.split_min_bytes,
-    show_default=True,
-    help="Split a decode call's rows when its misses are this many bytes "
-    "(0: always; a huge number: never).",
-)
-@click.option(
     "--compare",
     multiple=True,
     metavar="FIELD=VALUE[,...]",
     help="Also run every budget with these RuntimeConfig fields changed, side by "
-    "side in the same repeats (repeatable), e.g. --compare speculate=false.",
+    "side in the same repeats (repeatable), e.g. --compare prefetch=false.",
 )
 @click.option("--no-verify-cost", is_flag=True, help="Skip the no-checksum row.")
 @click.option(
@@ -122,9 +103,6 @@ def bench(
     policy: str,
     no_prefetch: bool,
     prefetch_extra: int,
-    prefetch_reads: str,
-    no_speculate: bool,
-    split_min_bytes: int,
     compare: tuple[str, ...],
     no_verify_cost: bool,
     reference: str | None,
@@ -147,9 +125,6 @@ def bench(
                 policy=policy,
                 prefetch=not no_prefetch,
                 prefetch_extra=prefetch_extra,
-                prefetch_reads=prefetch_reads,
-                speculate=not no_speculate,
-                split_min_bytes=split_min_bytes,
             ),
             verify_cost=not no_verify_cost,
             compare=variants,

@@ -41,7 +41,7 @@ class BenchConfig:
     verify_cost: bool = True  # one extra row: 25 % cold without checksums
     reference: Path | None = None  # mlx-lm directory of the same weights
     # More streaming rows at each budget, side by side with `runtime`: a label
-    # and the RuntimeConfig fields it changes, e.g. ("speculate=false", {...}).
+    # and the RuntimeConfig fields it changes, e.g. ("prefetch=false", {...}).
     compare: tuple[tuple[str, dict], ...] = ()
 
     def __post_init__(self) -> None:
@@ -183,8 +183,6 @@ def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
                 ),
                 belady=statistics.median(r["replay"]["belady"] for r in row.decode),
                 mb_per_token=bpt / 1e6,
-                early_calls=row.median("early_calls"),
-                late_calls=row.median("late_calls"),
                 prefetch_recall=row.median("prefetch_recall"),
                 prefetch_precision=row.median("prefetch_precision"),
                 wasted_mb_per_token=row.median("prefetch_wasted_bytes")

@@ -17,9 +17,6 @@ class Policy:
     def used(self, experts: np.ndarray, tokens: int) -> None:
         raise NotImplementedError
 
-    def evicted(self, expert: int) -> None:
-        pass
-
 
 class LRU(Policy):
     def __init__(self, num_experts: int):
@@ -47,23 +44,7 @@ class LRFU(Policy):
         self.score[experts] += 1.0
 
 
-class LFUDA(Policy):
-    """Least frequently used with dynamic aging (Arlitt et al. 2000)."""
-
-    def __init__(self, num_experts: int):
-        super().__init__(num_experts)
-        self.count = np.zeros(num_experts)
-        self.age = 0.0
-
-    def used(self, experts: np.ndarray, tokens: int) -> None:
-        self.count[experts] += 1
-        self.score[experts] = self.count[experts] + self.age
-
-    def evicted(self, expert: int) -> None:
-        self.age = self.score[expert]
-
-
-POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lrfu": LRFU, "lfuda": LFUDA}
+POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lrfu": LRFU}
 
 
 def make_policy(
@@ -73,9 +54,7 @@ def make_policy(
         raise ValueError(
             f"Unknown cache policy {name!r}; use one of {', '.join(POLICIES)}."
         )
-    if name == "lrfu":
-        return LRFU(num_experts, lrfu_decay)
-    return POLICIES[name](num_experts)
+    return LRFU(num_experts, lrfu_decay) if name == "lrfu" else LRU(num_experts)
 
 
 class SlotPool:
@@ -127,7 +106,6 @@ class SlotPool:
             np.int64,  # type: ignore[operator]
         )
         victim = int(candidates[np.argmin(self.policy.score[candidates])])
-        self.policy.evicted(victim)
         self.table[victim] = self.capacity
         return self.slot_of.pop(victim)
 

@@ -17,10 +17,6 @@ class RuntimeStats:
     evictions: int = 0
     bytes_read: int = 0
     grouped_calls: int = 0
-    # Decode calls started on the resident slots before the routing was read
-    # (`speculate`), and those of them whose misses were computed afterwards.
-    early_calls: int = 0
-    late_calls: int = 0
     # Decode calls of layers that hold every expert: no read, no host sync.
     sync_free_calls: int = 0
     # Calls whose slots the native engine resolved inside the stream.
@@ -134,8 +130,6 @@ class RuntimeStats:
             "prefetch_precision": self.prefetch_precision,
             "prefetch_recall": self.prefetch_recall,
             "prefetch_wasted_bytes": self.wasted_bytes,
-            "early_calls": self.early_calls,
-            "late_calls": self.late_calls,
             "sync_free_calls": self.sync_free_calls,
             "native_calls": self.native_calls,
         }
