@@ -27,7 +27,7 @@ def _value(text: str) -> object:
 
 
 def parse_compare(text: str) -> tuple[str, dict]:
-    """`prefetch=false,policy=lru` -> (that label, RuntimeConfig fields)."""
+    """`policy=lru,whole_calls=true` -> (that label, RuntimeConfig fields)."""
     known = {f.name for f in fields(RuntimeConfig)}
     out = {}
     for part in text.split(","):
@@ -82,7 +82,7 @@ def _floats(text: str) -> tuple[float, ...]:
     multiple=True,
     metavar="FIELD=VALUE[,...]",
     help="Also run every budget with these RuntimeConfig fields changed, side by "
-    "side in the same repeats (repeatable), e.g. --compare prefetch=false.",
+    "side in the same repeats (repeatable), e.g. --compare policy=lru.",
 )
 @click.option("--no-verify-cost", is_flag=True, help="Skip the no-checksum row.")
 @click.option(
@@ -123,7 +123,7 @@ def bench(
             prefill_repeats=prefill_repeats,
             runtime=RuntimeConfig(
                 policy=policy,
-                prefetch=not no_prefetch,
+                prefetch=False if no_prefetch else None,
                 prefetch_extra=prefetch_extra,
             ),
             verify_cost=not no_verify_cost,

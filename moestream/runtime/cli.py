@@ -132,7 +132,7 @@ def peak_rss() -> int:
 @click.option(
     "--no-prefetch",
     is_flag=True,
-    help="Do not predict and pre-read the next layer's experts.",
+    help="Do not predict and pre-read the next layer's experts (native engine).",
 )
 @click.option(
     "--stats",
@@ -186,7 +186,7 @@ def main(
             verify=not no_verify,
             context=len(ids) + max_tokens,
             policy=policy,
-            prefetch=not no_prefetch,
+            prefetch=False if no_prefetch else None,
             tokenizer=tok,
         )
         if show_stats:
