@@ -43,7 +43,7 @@ NB_MODULE(_native, m) {
           "path"_a, "data_offset"_a, "stride"_a, "record_nbytes"_a,
           "num_experts"_a, "capacity"_a, "segments"_a, "checksums"_a,
           "verify"_a, "policy"_a, "decay"_a, "max_pairs"_a)
-      .def("bind", &ExpertCache::bind, "slots"_a)
+      .def("bind", &ExpertCache::bind, "slots"_a, "on_gpu"_a)
       .def("chain", &ExpertCache::chain, "next"_a)
       .def("load", &ExpertCache::load, "experts"_a, "tokens"_a,
            nb::call_guard<nb::gil_scoped_release>())

@@ -147,7 +147,8 @@ ExpertCache::~ExpertCache() {
   }
 }
 
-void ExpertCache::bind(std::vector<mx::array> s) {
+void ExpertCache::bind(std::vector<mx::array> s, bool gpu_slots) {
+  on_gpu = gpu_slots;
   if (s.size() != segments.size()) {
     throw std::invalid_argument("one slot array per segment is needed");
   }
@@ -321,13 +322,12 @@ void ExpertCache::resolve(
 void ExpertCache::load(const std::vector<int>& experts, int tokens) {
   std::vector<uint32_t> ids(experts.begin(), experts.end());
   std::vector<uint32_t> out(ids.size());
-  bool host = slots.empty() || !gpu;
   resolve(ids.data(), ids.size(), tokens, out.data(), [&](int e, int s) {
     read_record(e, staging_.data());
-    if (host) {
-      fill_host(staging_.data(), s);
-    } else {
+    if (on_gpu) {
       gpu_load_copy(*this, staging_.data(), s);
+    } else {
+      fill_host(staging_.data(), s);
     }
   });
 }

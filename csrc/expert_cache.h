@@ -57,7 +57,7 @@ class ExpertCache {
   ~ExpertCache();
 
   // The slot arrays, one per segment, `[capacity (+ spare), ...]`, evaluated.
-  void bind(std::vector<mx::array> slots);
+  void bind(std::vector<mx::array> slots, bool on_gpu);
   void chain(std::shared_ptr<ExpertCache> next) {
     next_ = std::move(next);
   }
@@ -93,6 +93,7 @@ class ExpertCache {
   int num_experts, capacity, max_pairs;
   int64_t record_nbytes;
   std::vector<mx::array> slots;
+  bool on_gpu{false};
   std::vector<Segment> segments;
   std::shared_ptr<GpuState> gpu; // made by the first GPU fetch
 

@@ -101,7 +101,7 @@ def expert_cache(
         decay=decay,
         max_pairs=max_pairs,
     )
-    cache.bind(slots)
+    cache.bind(slots, mx.default_device() != mx.cpu)
     return cache
 
 
