@@ -5,11 +5,14 @@ checkpoint keeps a layer's tensors and what mlx-lm's `sanitize` must see to
 convert hub names when it is given one layer at a time (every mlx-lm MoE block
 calls a `SwitchGLU`, found by type, not by name). Adding a family is one
 `Family` entry here, a hub-layout builder in synthetic.py and a test case in
-tests/test_families.py.
+tests/test_families.py; where transformers 5 has a class for it, also the RoPE
+its mlx-lm code implements (converter/hfconfig.py `ROPE`), its fused-save names
+(converter/layouts.py) and a case in tests/test_transformers5.py.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import traceback
 from collections.abc import Callable, Iterable
@@ -156,6 +159,16 @@ def build_model(config: dict) -> nn.Module:
         model_class, args_class = _get_classes(config)
         return model_class(args_class.from_dict(config))
     except Exception as e:  # mlx-lm's model code fails on a bad config in many ways
+        raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
+
+
+def model_args(config: dict) -> dict[str, inspect.Parameter]:
+    """The fields of the family's mlx-lm ModelArgs (what it reads of config.json)."""
+    get_family(config)
+    try:
+        _, args_class = _get_classes(config)
+        return dict(inspect.signature(args_class).parameters)
+    except Exception as e:  # a hostile config.json (e.g. a non-list architectures)
         raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
 
 

@@ -22,10 +22,9 @@ The converter writes the result to OUT's config.json; the oracle
 from __future__ import annotations
 
 import inspect
+from numbers import Real
 
-from mlx_lm.utils import _get_classes
-
-from ..families import get_family
+from ..families import get_family, model_args
 
 # The scaling fields mlx-lm's rope_utils.initialize_rope reads, per RoPE type.
 INITIALIZE_ROPE = {
@@ -117,9 +116,15 @@ def normalize_config(config: dict) -> dict:
     get_family(config)
     model_type = config["model_type"]
     out = dict(config)
+    args = model_args(config)
     if model_type not in ROPE:
+        if out.get("rope_parameters") is not None and "rope_parameters" not in args:
+            raise ConfigError(
+                f"config.json keeps RoPE in rope_parameters, which mlx-lm's "
+                f"{model_type} does not read and moestream does not map for it; "
+                "write rope_theta / rope_scaling as the hub's config.json has them."
+            )
         return out
-    args = _model_args(config)
     _rope_parameters(out)
     _check_rope(out, model_type)
     _rotary(out, model_type, args)
@@ -138,20 +143,15 @@ def normalize_config(config: dict) -> dict:
 
 
 def rope_notes(config: dict) -> list[str]:
-    """What mlx-lm computes differently from what the config says (and why
-    it is still converted); shown in the converter's summary."""
+    """What mlx-lm computes otherwise than the config says, yet is converted
+    (as mlx_lm itself runs it); shown in the converter's summary."""
     scaling = config.get("rope_scaling") or {}
     if config.get("model_type") in ROPE and scaling.get("truncate") is False:
         return [
-            "note:            rope_scaling.truncate is false; mlx-lm's YarnRoPE "
-            "rounds the correction range as truncate=true does (so does mlx_lm)"
+            "note:            rope_scaling.truncate is false, but mlx-lm's YarnRoPE "
+            "rounds the correction range (truncate true), as mlx_lm itself runs it"
         ]
     return []
-
-
-def _model_args(config: dict) -> dict[str, inspect.Parameter]:
-    _, args_class = _get_classes(config)
-    return dict(inspect.signature(args_class).parameters)
 
 
 def _rope_parameters(out: dict) -> None:
@@ -261,10 +261,27 @@ def _check_rope(out: dict, model_type: str) -> None:
 def _rotary(out: dict, model_type: str, args: dict) -> None:
     """Partial RoPE as mlx-lm's model reads it: a factor, a dimension, or none."""
     factor = out.get("partial_rotary_factor")
+    if factor is not None and (
+        isinstance(factor, bool) or not isinstance(factor, Real)
+    ):
+        raise ConfigError(
+            f"config.json's partial_rotary_factor is {factor!r}; expected a number."
+        )
+    reads = {"rotary_dim", "partial_rotary_factor"} & set(args)
+    if not reads and factor not in (None, 1, 1.0):
+        raise ConfigError(
+            f"config.json has partial_rotary_factor {factor}, but mlx-lm's "
+            f"{model_type} rotates whole heads; it cannot run this checkpoint."
+        )
     head_dim = out.get("head_dim") or _div(out, "hidden_size", "num_attention_heads")
-    if "rotary_dim" in args:
+    if not _integer(head_dim):
+        return  # mlx-lm's ModelArgs refuses it (build_model says so)
+    param = args.get("head_dim")
+    if param is not None and param.default in (inspect.Parameter.empty, None):
+        out["head_dim"] = head_dim  # as given, else transformers' hidden // heads
+    if "rotary_dim" in args and "partial_rotary_factor" not in args:
         # transformers rotates int(head_dim * partial_rotary_factor) dims
-        dims = None if head_dim is None else int(head_dim * (factor or 1.0))
+        dims = int(head_dim * (1.0 if factor is None else factor))
         if out.get("rotary_dim") is None:
             out["rotary_dim"] = dims
         elif factor is not None and dims != out["rotary_dim"]:
@@ -273,25 +290,15 @@ def _rotary(out: dict, model_type: str, args: dict) -> None:
                 f"partial_rotary_factor {factor} (head_dim {head_dim}); remove "
                 "the one that is wrong."
             )
-    elif "partial_rotary_factor" not in args and factor not in (None, 1, 1.0):
-        raise ConfigError(
-            f"config.json has partial_rotary_factor {factor}, but mlx-lm's "
-            f"{model_type} rotates whole heads; it cannot run this checkpoint."
-        )
-    param = args.get("head_dim")
-    if (
-        param is not None
-        and param.default in (inspect.Parameter.empty, None)
-        and out.get("head_dim") is None
-        and head_dim is not None
-    ):
-        out["head_dim"] = head_dim  # transformers' hidden_size // heads
 
 
 def _div(out: dict, a: str, b: str) -> int | None:
     x, y = out.get(a), out.get(b)
-    ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (x, y))
-    return x // y if ok and y else None
+    return x // y if _integer(x) and _integer(y) and y else None
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _fill_counts(out: dict, args: dict) -> None:
