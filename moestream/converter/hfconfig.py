@@ -156,7 +156,7 @@ def rope_notes(config: dict) -> list[str]:
 
 def _rope_parameters(out: dict) -> None:
     """transformers 5's `rope_parameters` -> rope_theta / rope_scaling /
-    partial_rotary_factor (only where the source has no value of its own)."""
+    partial_rotary_factor (a different value of the source's own is refused)."""
     params = out.get("rope_parameters")
     if params is None:
         return
