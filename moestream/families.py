@@ -5,12 +5,16 @@ checkpoint keeps a layer's tensors and what mlx-lm's `sanitize` must see to
 convert hub names when it is given one layer at a time (every mlx-lm MoE block
 calls a `SwitchGLU`, found by type, not by name). Adding a family is one
 `Family` entry here, a hub-layout builder in synthetic.py and a test case in
-tests/test_families.py.
+tests/test_families.py; where transformers 5 has a class for it, also the RoPE
+its mlx-lm code implements (converter/hfconfig.py `ROPE`), its fused-save names
+(converter/layouts.py) and a case in tests/test_transformers5.py.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -105,7 +109,9 @@ FAMILIES: dict[str, Family] = {
             layer_pattern=r"^model\.language_model\.layers\.(\d+)\.",
             probe=r"\.linear_attn\.conv1d\.weight$",
         ),
-        Family("mixtral", probe=r"\.block_sparse_moe\.experts\."),
+        # experts under block_sparse_moe on the hub, under mlp in a
+        # transformers >= 5 fused save: both are probed
+        Family("mixtral", probe=r"\.(block_sparse_moe|mlp)\.experts\."),
         Family("olmoe", probe=r"\.mlp\.experts\."),
         Family("deepseek"),
         Family("deepseek_v2"),
@@ -114,15 +120,15 @@ FAMILIES: dict[str, Family] = {
         Family("glm4_moe"),
         Family("glm4_moe_lite"),
         Family("dots1"),
-        Family("minimax_m2", probe=r"\.block_sparse_moe\.experts\."),
-        Family("phimoe", probe=r"\.block_sparse_moe\.experts\."),
+        Family("minimax_m2", probe=r"\.(block_sparse_moe|mlp)\.experts\."),
+        Family("phimoe", probe=r"\.(block_sparse_moe|mlp)\.experts\."),
         Family("llama4", layer_pattern=r"^language_model\.model\.layers\.(\d+)\."),
         Family("ernie4_5_moe", top_k_key="moe_k"),
         Family("hunyuan", probe=r"\.mlp\.experts\.", top_k_key="moe_topk"),
         Family("bailing_moe", probe=r"^lm_head\.weight$"),  # norm_head
         Family(
             "granitemoe",
-            probe=r"\.block_sparse_moe\.(input|output)_linear\.",
+            probe=r"\.(block_sparse_moe|mlp)\.(input_linear|output_linear|experts)\.",
             probe_all_layers=True,
         ),
         Family("gpt_oss"),
@@ -152,20 +158,54 @@ def build_model(config: dict) -> nn.Module:
     try:
         model_class, args_class = _get_classes(config)
         return model_class(args_class.from_dict(config))
-    except (
-        TypeError,
-        ValueError,
-        KeyError,
-        IndexError,
-        ArithmeticError,
-        AssertionError,
-    ) as e:
-        # a hostile or broken config.json: mlx-lm's model code fails in many ways
-        detail = " ".join(f"{type(e).__name__} {e}".split())
-        raise UnsupportedModelError(
-            f"config.json does not describe a valid {config['model_type']} model "
-            f"({detail}); check the config."
-        ) from None
+    except Exception as e:  # mlx-lm's model code fails on a bad config in many ways
+        raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
+
+
+def model_args(config: dict) -> dict[str, inspect.Parameter]:
+    """The fields of the family's mlx-lm ModelArgs (what it reads of config.json)."""
+    get_family(config)
+    try:
+        _, args_class = _get_classes(config)
+        return dict(inspect.signature(args_class).parameters)
+    except Exception as e:  # a hostile config.json (e.g. a non-list architectures)
+        raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
+
+
+def _build_error(model_type: str, e: Exception) -> str:
+    """One line naming the config key mlx-lm failed on, where it can be told."""
+    detail = " ".join(f"{type(e).__name__}: {e}".split())
+    key = _missing_argument(e) or _key_read(e)
+    where = f" at {key}" if key else ""
+    return (
+        f"mlx-lm cannot build a {model_type} model from config.json{where} "
+        f"({detail}); check {key or 'the config'} in config.json."
+    )
+
+
+def _missing_argument(e: Exception) -> str | None:
+    """ModelArgs(...) without a required key: TypeError names it."""
+    m = re.search(r"required (?:positional|keyword-only) arguments?: '(\w+)'", str(e))
+    return m.group(1) if m else None
+
+
+def _key_read(e: Exception) -> str | None:
+    """The config key read on the failing line of mlx-lm's model code."""
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if "mlx_lm" in f.filename.replace("\\", "/").split("/")
+    ]
+    if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str):
+        key = e.args[0]
+        line = frames[-1].line if frames else ""
+        m = re.search(rf"(?:config|args)\.(\w+)\[[\"']{re.escape(key)}", line or "")
+        return f"{m.group(1)}.{key}" if m else key
+    for frame in reversed(frames):
+        m = re.search(r"\b(?:config|args)\.(\w+)", frame.line or "")
+        if m:
+            return m.group(1)
+    return None
 
 
 def _check_layer_count(config: dict) -> None:

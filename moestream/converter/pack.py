@@ -49,6 +49,7 @@ from ..formats import (
 from ..formats.manifest import MANIFEST_NAME, PAGE_SIZE
 from ..formats.verify import file_checksum
 from ..units import human_bytes, peak_rss
+from .hfconfig import rope_notes
 from .layouts import Layout, detect
 from .resume import (
     JOURNAL_NAME,
@@ -336,9 +337,8 @@ def _convert_into(
     )
     manifest.save(tmp)
     summary = _summary(manifest, dense.nbytes, switches, model)
-    return replace(
-        summary, source_layout=layout.describe(), notes=tuple(layout.notes())
-    )
+    notes = (*layout.notes(), *rope_notes(src.config))
+    return replace(summary, source_layout=layout.describe(), notes=notes)
 
 
 def _file_checksums(tmp: Path) -> dict[str, str]:
@@ -375,8 +375,9 @@ def _check_coverage(
     for name, w in peeked.items():
         if name not in expected:
             raise SourceError(
-                f"Unexpected tensor {name} for {src.config['model_type']}; "
-                "is config.json the one of this checkpoint?"
+                f"Unexpected tensor {name} for {src.config['model_type']} (read as "
+                f"{layout.describe()}; {src.config['model_type']} experts are read "
+                f"as {layout.tried()}); is config.json the one of this checkpoint?"
             )
         if tuple(w.shape) != expected[name]:
             raise SourceError(
