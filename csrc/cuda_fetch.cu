@@ -169,6 +169,7 @@ void CUDART_CB resolve_on_host(void* p) {
   auto& c = *a->cache;
   auto& g = *c.gpu;
   g.plan->n = 0;
+  c.counters.calls += 1;
   try {
     c.resolve(g.ids, a->n, a->tokens, g.out, [&](int e, int s) {
       int i = g.plan->n;

@@ -287,7 +287,6 @@ void ExpertCache::resolve(
   if (int(unique.size()) > capacity) {
     throw std::runtime_error("more routed experts than slots in one call");
   }
-  counters.calls += 1;
   for (int e : unique) {
     if (prefetched_[e]) {
       counters.prefetched_used += 1;
@@ -370,6 +369,7 @@ void ExpertFetch::eval_cpu(
     auto* ids = inds.data<uint32_t>();
     auto* slots = out.data<uint32_t>();
     auto& c = *cache;
+    c.counters.calls += 1;
     c.resolve(ids, n, tokens, slots, [&](int e, int s) {
       c.read_record(e, c.staging());
       c.fill_host(c.staging(), s);

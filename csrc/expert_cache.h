@@ -29,6 +29,7 @@ struct Segment {
 
 struct Counters {
   std::atomic<int64_t> hits{0}, misses{0}, evictions{0}, bytes_read{0};
+  // calls: fetches resolved inside the stream (not host-side loads)
   std::atomic<int64_t> calls{0}, prefetched{0}, prefetched_used{0};
   std::atomic<int64_t> misses_prefetched{0}, prefetch_bytes{0};
 };
