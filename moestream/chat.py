@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
@@ -22,7 +21,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import user_errors
 from .runtime import load, runtime_of, stats
-from .serve import RUNTIME_FLAGS, runtime_config, runtime_options
+from .serve import RUNTIME_FLAGS, chat_template_text, runtime_config, runtime_options
 
 HELP = "commands: q quit, r reset the conversation, h help"
 
@@ -126,9 +125,7 @@ def chat_cmd(
 
     def start() -> Conversation:
         mx.random.seed(seed)
-        template = chat_template
-        if template and len(template) < 4096 and Path(template).is_file():
-            template = Path(template).read_text()
+        template = chat_template_text(chat_template)
         model, tokenizer = load(
             model_dir,
             runtime_config(**{k: flags[k] for k in RUNTIME_FLAGS}),

@@ -113,11 +113,15 @@ class ServerOptions:
         if self.prompt_cache_size < 0:
             raise ValueError("--prompt-cache-size must be 0 or more.")
 
-    def template(self) -> str:
-        path = Path(self.chat_template)
-        if self.chat_template and len(self.chat_template) < 4096 and path.is_file():
-            return path.read_text()
-        return self.chat_template
+
+def chat_template_text(value: str) -> str:
+    """--chat-template: the template itself, or a file that holds it."""
+    try:
+        if value and Path(value).is_file():
+            return Path(value).read_text()
+    except OSError:  # a template's text too long for a file name
+        pass
+    return value
 
 
 @dataclass(frozen=True)
@@ -530,7 +534,7 @@ class Server:
             draft_model=None,
             num_draft_tokens=0,
             trust_remote_code=False,
-            chat_template=o.template(),
+            chat_template=chat_template_text(o.chat_template),
             use_default_chat_template=o.use_default_chat_template,
             chat_template_args=dict(o.chat_template_args),
             temp=o.temp,
@@ -671,7 +675,8 @@ def render_metrics(server: Server) -> str:
             "expert_layer_misses_total",
             "counter",
             "Misses per MoE layer.",
-            [({"layer": k}, v) for k, v in sorted(s.per_layer_misses.items())],
+            # dict() copies at once: the generation thread may add a layer
+            [({"layer": k}, v) for k, v in sorted(dict(s.per_layer_misses).items())],
         )
         metric(
             "expert_slots_per_layer",

@@ -24,6 +24,7 @@ import moestream
 from moestream.runtime import BudgetError, RuntimeConfig
 from moestream.runtime.loader import budget_for
 from moestream.serve import Server, ServerOptions, plan_server, serve_cmd
+from moestream.units import parse_size
 
 TIMEOUT = 60  # seconds, for every request and process here
 SERVE = [sys.executable, "-m", "moestream", "serve", "--log-level", "WARNING"]
@@ -153,7 +154,8 @@ def test_chat_equals_resident_with_logprobs(client, tok, reference) -> None:
 
 
 def test_streaming_chat_returns_chunks_and_a_finish_reason(client, tok, reference):
-    want, _ = resident(reference, tok, chat_ids(tok, "stream"), 10)
+    want, logprobs = resident(reference, tok, chat_ids(tok, "stream"), 10)
+    assert len(logprobs) == 10  # no eos within 10 tokens
     chunks = list(
         client.chat.completions.create(
             model="model",
@@ -161,13 +163,16 @@ def test_streaming_chat_returns_chunks_and_a_finish_reason(client, tok, referenc
             max_tokens=10,
             temperature=0.0,
             stream=True,
+            stream_options={"include_usage": True},  # as Open WebUI asks
         )
     )
+    *chunks, usage = chunks
     texts = [c.choices[0].delta.content or "" for c in chunks]
     assert sum(1 for t in texts if t) >= 2
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert "".join(texts) == want
+    assert usage.choices == [] and usage.usage.completion_tokens == 10
 
 
 def test_concurrent_requests_return_what_they_return_alone(client, server) -> None:
@@ -295,13 +300,12 @@ def test_plan_counts_concurrency_and_caps_it_to_fit(converted) -> None:
     )
     assert two.kv_cache == 2 * one.kv_cache
     assert two.activations == 2 * one.activations
-    with pytest.raises(BudgetError, match="give --cache-experts 6 or more"):
-        moestream.load(converted, cache_experts=4, concurrency=3)
-    # A budget that holds 2 sequences (4 slots) and a prompt cache, not 3 (6 slots).
-    two_need = budget_for(converted, 4, CONTEXT, RuntimeConfig(concurrency=2))
-    three_need = budget_for(converted, 6, CONTEXT, RuntimeConfig(concurrency=3))
+    # A budget that holds 2 sequences (4 slots) and a prompt cache, not 3 (6
+    # slots); a long context, so that a sequence's share is large.
+    two_need = budget_for(converted, 4, 2048, RuntimeConfig(concurrency=2))
+    three_need = budget_for(converted, 6, 2048, RuntimeConfig(concurrency=3))
     budget = (two_need + three_need) // 2
-    config = RuntimeConfig(memory_budget=budget, context=CONTEXT)
+    config = RuntimeConfig(memory_budget=budget, context=2048)
     auto = plan_server(converted, config, ServerOptions())
     assert auto.decode_concurrency == 2
     assert auto.runtime.memory_budget + auto.prompt_cache_bytes == budget
@@ -309,13 +313,17 @@ def test_plan_counts_concurrency_and_caps_it_to_fit(converted) -> None:
     with pytest.raises(BudgetError, match="give --memory-budget") as e:
         plan_server(converted, config, ServerOptions(decode_concurrency=4))
     enough = re.search(r"give --memory-budget (\S+) or more", str(e.value)).group(1)
-    bigger = RuntimeConfig(memory_budget=enough, context=CONTEXT)
+    # 1 % more: this test's process grows between the two plans (a user's
+    # next run starts afresh).
+    bigger = RuntimeConfig(memory_budget=int(1.01 * parse_size(enough)), context=2048)
     fits = plan_server(converted, bigger, ServerOptions(decode_concurrency=4))
     assert fits.decode_concurrency == 4
     model, _ = moestream.load(converted, fits.runtime)
     plan = moestream.runtime_of(model).plan
     assert plan.capacity >= 8 and plan.concurrency == 4
     assert plan.total + fits.prompt_cache_bytes <= fits.budget
+    with pytest.raises(BudgetError, match="give --cache-experts 6 or more"):
+        moestream.load(converted, cache_experts=4, concurrency=3)
 
 
 @pytest.mark.parametrize(
