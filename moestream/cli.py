@@ -1,4 +1,4 @@
-"""moestream COMMAND: convert, run, bench, verify (as convert-moe, run-moe too)."""
+"""moestream COMMAND: convert, run, bench, verify, serve, chat."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import sys
 import click
 
 from .bench.cli import bench as bench_cmd
+from .chat import chat_cmd
 from .converter.cli import main as convert_cmd
 from .errors import user_errors
 from .formats.verify import verify
 from .runtime.cli import main as run_cmd
+from .serve import serve_cmd
 from .units import human_bytes
 
 
@@ -45,6 +47,8 @@ main.add_command(convert_cmd, "convert")
 main.add_command(run_cmd, "run")
 main.add_command(bench_cmd, "bench")
 main.add_command(verify_cmd, "verify")
+main.add_command(serve_cmd, "serve")
+main.add_command(chat_cmd, "chat")
 
 if __name__ == "__main__":
     main()

@@ -81,7 +81,9 @@ def test_native_trained_demo_model_exact(tmp_path):
 
     src = Path(__file__).parent.parent / "examples" / "stdlib-moe"
     convert(str(src), tmp_path / "demo", progress=False)
-    model, tokenizer = moestream.load(tmp_path / "demo", cache_experts=4, engine="native")
+    model, tokenizer = moestream.load(
+        tmp_path / "demo", cache_experts=4, engine="native"
+    )
     ref = resident_model(src, Recipe())
     prompt = mx.array(tokenizer.encode("import os\n\ndef walk(top):\n"))[None]
     ours, theirs = logits_stepwise(model, prompt, 24), logits_stepwise(ref, prompt, 24)

@@ -55,6 +55,10 @@ class RuntimeConfig:
     engine: "python" runs the reference path (one host sync per MoE layer);
         "native" resolves slots and reads misses inside MLX's stream (the
         compiled extension, CPU and CUDA), so decode never syncs per layer.
+    concurrency: sequences decoded at once (a server's batch): the KV cache and
+        activations are sized for that many, and each layer needs at least
+        min(experts, concurrency x top-k) slots, as a batch's decode step routes
+        to up to that many experts.
     """
 
     memory_budget: int | str | None = None
@@ -70,8 +74,14 @@ class RuntimeConfig:
     whole_calls: bool | None = None
     record_trace: bool = False
     engine: str = "python"
+    concurrency: int = 1
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.concurrency, int) and self.concurrency >= 1):
+            raise ValueError(
+                f"concurrency must be a whole number of sequences, at least 1; "
+                f"got {self.concurrency!r}."
+            )
         if self.dtype not in DTYPES:
             raise ValueError(
                 f"Unknown dtype {self.dtype}; use one of {', '.join(DTYPES)}."
