@@ -124,8 +124,7 @@ ExpertCache::ExpertCache(
       score_(num_experts, 0.0),
       slot_of_(num_experts, -1),
       expert_in_(capacity, -1),
-      prefetched_(num_experts, 0),
-      staging_(record_nbytes) {
+      prefetched_(num_experts, 0) {
   if (capacity < 1 || capacity > num_experts) {
     throw std::invalid_argument("capacity must be in 1..num_experts");
   }
@@ -188,6 +187,19 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
     verified_[expert] = 1;
   }
   counters.bytes_read += record_nbytes;
+}
+
+void ExpertCache::staged(
+    int expert,
+    const std::function<void(const uint8_t*)>& use) {
+  static std::mutex mutex;
+  static std::vector<uint8_t> record;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (record.size() < size_t(record_nbytes)) {
+    record.resize(record_nbytes);
+  }
+  read_record(expert, record.data());
+  use(record.data());
 }
 
 void ExpertCache::fill_host(const uint8_t* record, int slot) {
@@ -322,12 +334,13 @@ void ExpertCache::load(const std::vector<int>& experts, int tokens) {
   std::vector<uint32_t> ids(experts.begin(), experts.end());
   std::vector<uint32_t> out(ids.size());
   resolve(ids.data(), ids.size(), tokens, out.data(), [&](int e, int s) {
-    read_record(e, staging_.data());
-    if (on_gpu) {
-      gpu_load_copy(*this, staging_.data(), s);
-    } else {
-      fill_host(staging_.data(), s);
-    }
+    staged(e, [&](const uint8_t* record) {
+      if (on_gpu) {
+        gpu_load_copy(*this, record, s);
+      } else {
+        fill_host(record, s);
+      }
+    });
   });
 }
 
@@ -371,8 +384,7 @@ void ExpertFetch::eval_cpu(
     auto& c = *cache;
     c.counters.calls += 1;
     c.resolve(ids, n, tokens, slots, [&](int e, int s) {
-      c.read_record(e, c.staging());
-      c.fill_host(c.staging(), s);
+      c.staged(e, [&](const uint8_t* record) { c.fill_host(record, s); });
     });
     if (predicted && c.next()) {
       c.next()->hint(predicted->data<uint32_t>(), predicted->size());

@@ -67,6 +67,10 @@ class ExpertCache {
   // reading the misses; `write` copies a record into a slot.
   void resolve(const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
                const std::function<void(int, int)>& write);
+  // Read `expert` into one host staging record shared by every layer (reads
+  // run one at a time: the stream's, or the host's after a synchronize),
+  // then hand it to `use`.
+  void staged(int expert, const std::function<void(const uint8_t*)>& use);
   // Host-side read of a record into `dst` (record_nbytes), verified once.
   void read_record(int expert, uint8_t* dst);
   // Copy a read record into slot memory on the host (CPU slots).
@@ -80,10 +84,6 @@ class ExpertCache {
   void load(const std::vector<int>& experts, int tokens);
   std::vector<int> table() const;
   void forget_all();
-
-  uint8_t* staging() {
-    return staging_.data();
-  }
 
   const std::string path_;
   Counters counters;
@@ -114,7 +114,6 @@ class ExpertCache {
   std::vector<int> expert_in_; // slot -> expert, -1 when free
   std::vector<int> free_;
   std::vector<char> prefetched_; // hinted since its last call
-  std::vector<uint8_t> staging_;
   std::shared_ptr<ExpertCache> next_;
 
  public:
