@@ -97,6 +97,7 @@ uint32_t crc32(const uint8_t* p, size_t n, uint32_t crc) {
 
 ExpertCache::ExpertCache(
     const std::string& path,
+    int layer,
     int64_t data_offset,
     int64_t stride,
     int64_t record_nbytes,
@@ -109,6 +110,7 @@ ExpertCache::ExpertCache(
     double decay,
     int max_pairs)
     : path_(path),
+      layer_(layer),
       num_experts(num_experts),
       capacity(capacity),
       max_pairs(max_pairs),
@@ -169,19 +171,21 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
       continue;
     }
     if (n <= 0) {
+      // The Python engine's words (ExpertReadError), so both read alike.
+      std::string where = "Cannot read expert " + std::to_string(expert) +
+          " of layer " + std::to_string(layer_) + " from " + path_;
       throw std::runtime_error(
-          n < 0 ? os_error(
-                      "Cannot read expert " + std::to_string(expert) +
-                      " from " + path_)
-                : "Expert " + std::to_string(expert) + " lies past the end of " +
-                  path_ + "; convert again.");
+          n < 0 ? os_error(where)
+                : where + ": the record lies past the end of the file; "
+                          "convert again.");
     }
     done += n;
   }
   if (verify_ && !verified_[expert]) {
     if (crc32(dst, record_nbytes) != checksums_[expert]) {
       throw std::runtime_error(
-          "Expert " + std::to_string(expert) + " in " + path_ +
+          "Expert " + std::to_string(expert) + " of layer " +
+          std::to_string(layer_) + " in " + path_ +
           " fails its checksum; the file is corrupted: convert again.");
     }
     verified_[expert] = 1;

@@ -44,6 +44,7 @@ class ExpertCache {
  public:
   ExpertCache(
       const std::string& path,
+      int layer,
       int64_t data_offset,
       int64_t stride,
       int64_t record_nbytes,
@@ -86,6 +87,7 @@ class ExpertCache {
   void forget_all();
 
   const std::string path_;
+  const int layer_;
   Counters counters;
   std::string error; // the first read error of a stream-side fetch
   std::mutex error_mutex;
