@@ -1,5 +1,5 @@
 """Where decode time goes on a GPU: resident vs streaming at full and partial
-capacity, with speculation on and off (greedy, after a warm-up run); and the
+capacity, on each engine built here (greedy, after a warm-up run); and the
 host memory the GPU runtime itself takes (RSS before and after its start).
 
     python scripts/gpu_profile.py OUT
@@ -15,6 +15,7 @@ from mlx_lm.generate import generate_step
 
 import moestream
 from moestream.reference import resident_from_converted
+from moestream.runtime import native
 from moestream.runtime.loader import _process_bytes
 
 
@@ -43,17 +44,17 @@ def main() -> None:
     base, ref_tokens = decode_tps(res, prompt)
     print(f"resident: {base:.1f} tok/s, RSS {rss_mb():.0f} MB")
     del res
-    for cap, spec in [(10**6, True), (10**6, False), (32, True), (32, False)]:
-        model, _ = moestream.load(out, cache_experts=cap, speculate=spec)
+    engines = ["python", "native"] if native.available() else ["python"]
+    for cap, engine in [(c, e) for c in (10**6, 32) for e in engines]:
+        model, _ = moestream.load(out, cache_experts=cap, engine=engine)
         decode_tps(model, prompt, 4)
         moestream.stats(model).reset()
         tps, tokens = decode_tps(model, prompt)
         s = moestream.stats(model)
         print(
-            f"cap {cap} speculate {spec}: {tps:.1f} tok/s ({tps / base:.3f}x), "
+            f"cap {cap} {engine}: {tps:.1f} tok/s ({tps / base:.3f}x), "
             f"same tokens {tokens == ref_tokens}, hit {s.hit_rate:.3f}, "
-            f"misses/token {s.misses / 32:.1f}, early calls {s.early_calls}, "
-            f"late {s.late_calls}, RSS {rss_mb():.0f} MB"
+            f"misses/token {s.misses / 32:.1f}, RSS {rss_mb():.0f} MB"
         )
 
 

@@ -29,37 +29,21 @@ def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
 @pytest.mark.parametrize(
-    "policy, prefetch, reads, speculate, whole",
+    "policy, prefetch, whole",
     [
-        ("lrfu", True, "hint", True, False),  # the CPU default: misses spliced
-        ("lru", False, "hint", True, False),
-        ("lfuda", True, "hint", True, False),
-        ("lrfu", True, "threads", True, False),
-        ("lrfu", True, "hint", False, False),  # sync first, then the experts
-        ("lrfu", True, "hint", True, True),  # the GPU default: whole calls again
+        ("lrfu", True, False),  # the CPU default: groups' rows computed alone
+        ("lru", False, False),
+        ("lrfu", True, True),  # the GPU default: groups as whole calls
     ],
 )
 def test_prefill_and_decode_logits_bit_identical(
-    converted,
-    reference,
-    monkeypatch,
-    cache_experts,
-    policy,
-    prefetch,
-    reads,
-    speculate,
-    whole,
+    converted, reference, cache_experts, policy, prefetch, whole
 ):
-    from moestream.runtime import switch
-
-    monkeypatch.setattr(switch, "SPLIT_MIN_BYTES", 0)  # tiny records split too
     model, _ = moestream.load(
         converted,
         cache_experts=cache_experts,
         policy=policy,
         prefetch=prefetch,
-        prefetch_reads=reads,
-        speculate=speculate,
         whole_calls=whole,
     )
     ours = logits_stepwise(model, PROMPT, steps=12)
@@ -69,39 +53,13 @@ def test_prefill_and_decode_logits_bit_identical(
         assert mx.array_equal(a, b).item(), f"step {step} differs"
     s = moestream.stats(model)
     if cache_experts == 8:  # all fit: read at load, then no miss and no sync
-        assert s.misses == s.early_calls == s.late_calls == 0
+        assert s.misses == 0
         assert s.sync_free_calls == 12 * 2  # every decode call of both MoE layers
         return
     assert s.misses > 0
     assert s.evictions > 0  # the small caches really did evict and reload
     assert s.grouped_calls > 0  # 48 prompt tokens route to more than 5 experts
     assert (s.prefetched > 0) == prefetch
-    assert (s.early_calls > 0) == speculate
-    assert s.late_calls > 0  # decode calls missed: rows computed apart or again
-    if reads == "threads" and cache_experts < 8:
-        assert s.misses_prefetched > 0  # some misses came from the reader ring
-
-
-@pytest.mark.parametrize("whole", [False, True])
-def test_speculative_calls_with_misses_are_exact(
-    converted, reference, monkeypatch, whole
-):
-    """Every decode call starts on the resident slots before the sync; calls
-    that missed get their missed rows spliced in (CPU) or run again whole."""
-    from moestream.runtime import switch
-
-    monkeypatch.setattr(switch, "SPECULATE_ABOVE", 0.0)
-    monkeypatch.setattr(switch, "SPLIT_MIN_BYTES", 0)
-    model, _ = moestream.load(
-        converted, cache_experts=3, prefetch=False, whole_calls=whole
-    )
-    ours = logits_stepwise(model, PROMPT, steps=12)
-    theirs = logits_stepwise(reference, PROMPT, steps=12)
-    assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
-    s = moestream.stats(model)
-    layers = len(moestream.runtime_of(model).manifest.layers)
-    assert s.early_calls == 12 * layers  # every decode call speculated
-    assert 0 < s.late_calls < s.early_calls
 
 
 def test_whole_call_groups_are_exact(converted, reference):

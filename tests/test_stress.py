@@ -1,16 +1,17 @@
 """Randomized eviction stress: every case bit-identical to mlx-lm's resident model.
 
-Each case draws runtime options, a batch of random prompts, a chunking of the
-prefill and a number of decode steps, then compares the logits of every step
-with `mx.array_equal` and the greedy tokens one by one. Models are kept per
-option set and reused across cases, so pools start warm with whatever the
-previous cases left in them.
+Each case draws runtime options (every RuntimeConfig field), a batch of random
+prompts, a chunking of the prefill and a number of decode steps, then compares
+the logits of every step with `mx.array_equal` and the greedy tokens one by
+one. A run draws a few option sets and its cases share them, so pools start
+warm with whatever the previous cases left in them.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
 import mlx.core as mx
 import pytest
@@ -18,20 +19,37 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
 from moestream.formats import load_manifest
+from moestream.reference import resident_model
+from moestream.runtime import RuntimeConfig, native
+from moestream.runtime.config import DTYPES
 from moestream.runtime.pool import POLICIES
 from moestream.synthetic import HUB_LAYOUTS
 
-# Every runtime option the stress draws from, in one place: a new engine option
-# is one more line here.
+# Every runtime option the stress draws from, one line per RuntimeConfig field
+# (test_every_field_is_drawn keeps it so).
 RUNTIME_CHOICES: dict[str, list] = {
+    "memory_budget": [None, "4G"],  # checked against cache_experts
     # 1 is below top-k (2): every decode step runs in groups, evicting experts
     # that are still routed in the same layer call; 8 holds every expert.
     "cache_experts": list(range(1, 9)),
-    "prefetch": [False, True],
+    "dtype": list(DTYPES),
+    "verify": [False, True],
+    "context": [160, 4096],  # above the longest case (128 + 6 tokens)
     "policy": list(POLICIES),
+    "prefetch": [False, True],
+    "prefetch_extra": [0, 2, 5],
+    "whole_calls": [None, False, True],
+    "record_trace": [False, True],
+    "lrfu_decay": [0.5, RuntimeConfig.lrfu_decay],
+    "engine": ["python", "native"] if native.available() else ["python"],
 }
 FAST_CASES, SLOW_CASES = 30, 1000
+FAST_SETS, SLOW_SETS = 8, 60  # option sets per run
 VOCAB = 300  # below the tiny model's 320
+
+
+def draw_options(rng: random.Random) -> dict:
+    return {k: rng.choice(v) for k, v in RUNTIME_CHOICES.items()}
 
 
 @dataclass
@@ -43,10 +61,11 @@ class Case:
     seed: int = 0
 
     @classmethod
-    def draw(cls, rng: random.Random, seed: int) -> Case:
-        options = {k: rng.choice(v) for k, v in RUNTIME_CHOICES.items()}
+    def draw(cls, rng: random.Random, seed: int, options: dict) -> Case:
         length = rng.choice([1, 2, 3, 5, 8, 17, 33, 64, 96, rng.randint(1, 128)])
         batch = rng.choice([1, 1, 1, 2, 3])
+        if options.get("dtype") in ("bfloat16", "float16"):
+            length, batch = min(length, 9), 1  # 8-40x slower on a CPU than float32
         prompts = [[rng.randrange(VOCAB) for _ in range(length)] for _ in range(batch)]
         cuts = sorted(rng.sample(range(1, length), min(length - 1, rng.randint(0, 2))))
         chunks = [b - a for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
@@ -56,8 +75,11 @@ class Case:
 @dataclass
 class Stress:
     converted: object
-    reference: object
+    reference: object  # float32 compute
+    # compute dtype -> mlx-lm's resident model computing in it
+    other_dtypes: Callable[[str], object] | None = None
     models: dict = field(default_factory=dict)
+    references: dict = field(default_factory=dict)
     cases: int = 0
     steps: int = 0
 
@@ -67,10 +89,17 @@ class Stress:
             self.models[key] = moestream.load(self.converted, **options)[0]
         return self.models[key]
 
+    def reference_for(self, dtype: str):
+        if dtype in ("auto", "float32"):  # auto is float32 on a CPU
+            return self.reference
+        if dtype not in self.references:
+            self.references[dtype] = self.other_dtypes(dtype)  # type: ignore[misc]
+        return self.references[dtype]
+
     def run(self, case: Case) -> None:
         ours = self.model(case.options)
         a = logits_of(ours, case)
-        b = logits_of(self.reference, case)
+        b = logits_of(self.reference_for(case.options.get("dtype", "auto")), case)
         for step, (x, y) in enumerate(zip(a, b, strict=True)):
             assert mx.array_equal(x, y).item(), f"{case} differs at step {step}"
         self.cases += 1
@@ -92,16 +121,28 @@ def logits_of(model, case: Case) -> list[mx.array]:
     return out
 
 
-def stress(converted, reference, n: int, seed: int) -> Stress:
-    s = Stress(converted, reference)
+def stress(s: Stress, n: int, sets: int, seed: int) -> Stress:
     rng = random.Random(seed)
+    options = [draw_options(rng) for _ in range(sets)]
     for i in range(n):
-        s.run(Case.draw(rng, i))
+        s.run(Case.draw(rng, i, rng.choice(options)))
     return s
 
 
-def test_stress_fast(converted, reference) -> None:
-    s = stress(converted, reference, FAST_CASES, seed=1)
+@pytest.fixture(scope="module")
+def other_dtypes(hf_dir, recipe) -> Callable[[str], object]:
+    return lambda dtype: resident_model(hf_dir, recipe, compute_dtype=dtype)
+
+
+def test_every_field_is_drawn() -> None:
+    assert list(RUNTIME_CHOICES) == [f.name for f in fields(RuntimeConfig)]
+    for name, values in RUNTIME_CHOICES.items():
+        for v in values:
+            RuntimeConfig(**{name: v})  # each choice is valid
+
+
+def test_stress_fast(converted, reference, other_dtypes) -> None:
+    s = stress(Stress(converted, reference, other_dtypes), FAST_CASES, FAST_SETS, 1)
     assert s.cases == FAST_CASES
     print(f"stress: {s.cases} cases, {s.steps} steps, {len(s.models)} option sets")
     small = [m for k, m in s.models.items() if dict(k)["cache_experts"] < 8]
@@ -110,8 +151,8 @@ def test_stress_fast(converted, reference) -> None:
 
 
 @pytest.mark.slow
-def test_stress_slow(converted, reference) -> None:
-    s = stress(converted, reference, SLOW_CASES, seed=2)
+def test_stress_slow(converted, reference, other_dtypes) -> None:
+    s = stress(Stress(converted, reference, other_dtypes), SLOW_CASES, SLOW_SETS, 2)
     assert s.cases == SLOW_CASES
     print(f"stress: {s.cases} cases, {s.steps} steps, {len(s.models)} option sets")
 
@@ -187,19 +228,25 @@ def test_stress_every_family(family, tmp_path) -> None:
 
     from moestream.converter import convert
     from moestream.formats import Recipe
-    from moestream.reference import resident_model
     from moestream.synthetic import tiny_model
 
     src = tiny_model(tmp_path / "hf", family, seed=3)
     bits = None if family == "gpt_oss" else "down_proj=6"  # MXFP4 kept as shipped
     convert(str(src), tmp_path / "out", bits=bits, progress=False)
-    reference = resident_model(src, Recipe.parse(bits))
+    recipe = Recipe.parse(bits)
+    reference = resident_model(src, recipe)
     vocab = json.loads((src / "config.json").read_text())
     vocab = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
     experts = max(layer.num_experts for layer in load_manifest(tmp_path / "out").layers)
-    rng, s = random.Random(family), Stress(tmp_path / "out", reference)
+    s = Stress(
+        tmp_path / "out",
+        reference,
+        lambda dtype: resident_model(src, recipe, compute_dtype=dtype),
+    )
+    rng = random.Random(family)
+    options = [draw_options(rng) for _ in range(8)]
     for i in range(FAMILY_CASES):
-        case = Case.draw(rng, i)
+        case = Case.draw(rng, i, dict(rng.choice(options)))
         case.options["cache_experts"] = rng.randint(1, experts)
         case.prompts = [[t % vocab for t in p] for p in case.prompts]
         s.run(case)

@@ -31,17 +31,16 @@ def test_pool_forget_frees_slot() -> None:
     assert misses == [(9, slots[7])]
 
 
-@pytest.mark.parametrize("policy", ["lrfu", "lfuda"])
-def test_frequency_policies_keep_a_hot_expert_that_lru_drops(policy: str) -> None:
+def test_lrfu_keeps_a_hot_expert_that_lru_drops() -> None:
     # Expert 0 is used at 6 of 8 steps; one-off experts pass through between.
     steps = [[0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [0, 6], [7, 8], [9, 10], [0, 11]]
     hits = {}
-    for name in ("lru", policy):
+    for name in ("lru", "lrfu"):
         pool = SlotPool(3, 12, name)
         for step in steps[:-1]:
             pool.assign(np.array(step))
         hits[name] = pool.resident(0)
-    assert hits == {"lru": False, policy: True}
+    assert hits == {"lru": False, "lrfu": True}
 
 
 def test_unknown_policy_is_refused() -> None:
@@ -93,3 +92,34 @@ def test_recipe_rejects(bits: str, message: str) -> None:
         Recipe.parse(bits)
     with pytest.raises(RecipeError, match="group size"):
         Recipe.parse(None, group_size=48)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("engine", "cuda", "Unknown engine 'cuda'"),
+        ("policy", "mru", "Unknown cache policy 'mru'"),
+        ("policy", "lfuda", "Unknown cache policy 'lfuda'"),
+        ("context", 0, "context must be in"),
+        ("lrfu_decay", 1.01, "lrfu_decay must be in"),
+        ("prefetch_extra", -1, "prefetch_extra must be in"),
+    ],
+)
+def test_runtime_config_refuses_bad_values(field: str, value, message: str) -> None:
+    from moestream.runtime import RuntimeConfig
+
+    with pytest.raises(ValueError, match=message):
+        RuntimeConfig(**{field: value})
+
+
+def test_lrfu_decay_reaches_the_policy() -> None:
+    # decay 0.5: one use now outweighs any number of older uses (LRU's order).
+    steps = [[0, 1], [0, 2], [3], [4, 5]]
+    pool = SlotPool(3, 6, "lrfu", lrfu_decay=0.5)
+    for step in steps:
+        pool.assign(np.array(step))
+    assert not pool.resident(0)  # the oldest, however often used, went first
+    pool = SlotPool(3, 6, "lrfu", lrfu_decay=0.98)
+    for step in steps:
+        pool.assign(np.array(step))
+    assert pool.resident(0)

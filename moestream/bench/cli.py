@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import click
@@ -10,6 +11,35 @@ from ..errors import user_errors
 from ..runtime.config import RuntimeConfig
 from ..runtime.pool import POLICIES
 from .harness import BenchConfig, main
+
+
+def _value(text: str) -> object:
+    """A RuntimeConfig value written on the command line."""
+    low = text.strip().lower()
+    if low in ("none", "true", "false"):
+        return {"none": None, "true": True, "false": False}[low]
+    for kind in (int, float):
+        try:
+            return kind(low)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_compare(text: str) -> tuple[str, dict]:
+    """`prefetch=false,policy=lru` -> (that label, RuntimeConfig fields)."""
+    known = {f.name for f in fields(RuntimeConfig)}
+    out = {}
+    for part in text.split(","):
+        name, eq, value = part.partition("=")
+        name = name.strip().replace("-", "_")
+        if not eq or name not in known:
+            raise click.BadParameter(
+                f"{part!r} is not FIELD=VALUE with a RuntimeConfig field "
+                f"({', '.join(sorted(known))})."
+            )
+        out[name] = _value(value)
+    return text, out
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -48,16 +78,11 @@ def _floats(text: str) -> tuple[float, ...]:
     help="Experts predicted beyond the router's top-k.",
 )
 @click.option(
-    "--prefetch-reads",
-    type=click.Choice(["hint", "threads"]),
-    default="hint",
-    show_default=True,
-    help="Read ahead with kernel hints or reader threads.",
-)
-@click.option(
-    "--no-speculate",
-    is_flag=True,
-    help="Sync on the routing before starting each decode layer's experts.",
+    "--compare",
+    multiple=True,
+    metavar="FIELD=VALUE[,...]",
+    help="Also run every budget with these RuntimeConfig fields changed, side by "
+    "side in the same repeats (repeatable), e.g. --compare prefetch=false.",
 )
 @click.option("--no-verify-cost", is_flag=True, help="Skip the no-checksum row.")
 @click.option(
@@ -78,13 +103,14 @@ def bench(
     policy: str,
     no_prefetch: bool,
     prefetch_extra: int,
-    prefetch_reads: str,
-    no_speculate: bool,
+    compare: tuple[str, ...],
     no_verify_cost: bool,
     reference: str | None,
     as_json: bool,
 ) -> None:
     """Decode and prefill speed, hit rates and memory vs mlx-lm resident."""
+
+    variants = tuple(parse_compare(c) for c in compare)
 
     def run() -> None:
         cfg = BenchConfig(
@@ -99,10 +125,9 @@ def bench(
                 policy=policy,
                 prefetch=not no_prefetch,
                 prefetch_extra=prefetch_extra,
-                prefetch_reads=prefetch_reads,
-                speculate=not no_speculate,
             ),
             verify_cost=not no_verify_cost,
+            compare=variants,
             reference=Path(reference) if reference else None,
         )
         main(cfg, as_json)

@@ -24,6 +24,8 @@ from ..runtime.config import RuntimeConfig
 from .worker import Job
 
 DECODE_PROMPT_TOKENS = 16
+# RuntimeConfig fields each run sets itself (slots, budget, context, trace).
+PER_RUN = {"cache_experts", "memory_budget", "context", "record_trace"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class BenchConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     verify_cost: bool = True  # one extra row: 25 % cold without checksums
     reference: Path | None = None  # mlx-lm directory of the same weights
+    # More streaming rows at each budget, side by side with `runtime`: a label
+    # and the RuntimeConfig fields it changes, e.g. ("prefetch=false", {...}).
+    compare: tuple[tuple[str, dict], ...] = ()
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in ("warm", "cold")]
@@ -45,6 +50,14 @@ class BenchConfig:
             raise ValueError(
                 "--budgets takes percentages in (0, 100] and --modes warm,cold."
             )
+        for label, fields in self.compare:
+            fixed = sorted(PER_RUN.intersection(fields))
+            if fixed:
+                raise ValueError(
+                    f"--compare {label}: the bench sets {', '.join(fixed)} per run; "
+                    "compare other fields."
+                )
+            replace(self.runtime, **fields)  # validates each variant now
 
 
 @dataclass
@@ -53,6 +66,7 @@ class Row:
     budget_pct: float | None
     mode: str
     job: Job
+    variant: str = ""  # the `compare` label; "" for the base options
     decode: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
 
@@ -80,11 +94,15 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
         reference=str(cfg.reference) if cfg.reference else None,
     )
     rows = [Row("resident", None, "-", base)]
+    variants = [("", cfg.runtime)]
+    variants += [(label, replace(cfg.runtime, **f)) for label, f in cfg.compare]
     for pct in cfg.budgets:
         cap = capacity_for(pct, experts, top_k)
         for mode in cfg.modes:
-            job = replace(base, capacity=cap, cold=mode == "cold")
-            rows.append(Row(f"{pct:g} %", pct, mode, job))
+            for label, runtime in variants:
+                job = replace(base, capacity=cap, cold=mode == "cold", runtime=runtime)
+                name = f"{pct:g} %" + (f" {label}" if label else "")
+                rows.append(Row(name, pct, mode, job, label))
     if cfg.verify_cost and "cold" in cfg.modes:
         cap = capacity_for(25, experts, top_k)
         job = replace(
@@ -135,10 +153,16 @@ def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
         tps = row.median("decode_tps")
         entry = {
             "row": row.name,
+            "variant": row.variant,
             "mode": row.mode,
             "capacity": row.job.capacity,
             "decode_tps": tps,
             "decode_ratio": tps / res_tps,
+            # Per repeat, each over the same repeat's resident run: the spread.
+            "decode_ratios": [
+                r["decode_tps"] / ref.decode[i]["decode_tps"]
+                for i, r in enumerate(row.decode)
+            ],
             "prefill_tps": row.median("prefill_tps", "prefill"),
             "peak_rss": max(r["peak_rss"] for r in row.decode + row.prefill),
             "tokens_match": all(
@@ -155,7 +179,7 @@ def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
                 hit_rate=row.median("hit_rate"),
                 lru=statistics.median(r["replay"]["lru"] for r in row.decode),
                 policy=statistics.median(
-                    r["replay"][cfg.runtime.policy] for r in row.decode
+                    r["replay"][row.job.runtime.policy] for r in row.decode
                 ),
                 belady=statistics.median(r["replay"]["belady"] for r in row.decode),
                 mb_per_token=bpt / 1e6,
@@ -209,6 +233,7 @@ COLUMNS = [
     ("capacity", "slots", "{}"),
     ("decode_tps", "decode tok/s", "{:.2f}"),
     ("decode_ratio", "x resident", "{:.3f}"),
+    ("decode_ratios", "spread", "{}"),
     ("prefill_tps", "prefill tok/s", "{:.2f}"),
     ("prefill_ratio", "x resident", "{:.3f}"),
     ("hit_rate", "hit", "{:.3f}"),
@@ -237,6 +262,8 @@ def format_table(result: dict) -> str:
                 cells.append("")
             elif key == "peak_rss":
                 cells.append(str(round(v / 2**20)))
+            elif key == "decode_ratios":
+                cells.append(f"{min(v):.3f}-{max(v):.3f}" if v else "")
             else:
                 cells.append(fmt.format(v))
         lines.append("| " + " | ".join(cells) + " |")

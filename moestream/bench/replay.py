@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.config import RuntimeConfig
 from ..runtime.pool import SlotPool
 
 
-def policy_hits(trace: np.ndarray, capacity: int, policy: str, experts: int) -> int:
-    pool = SlotPool(min(capacity, experts), experts, policy)
+def policy_hits(
+    trace: np.ndarray,
+    capacity: int,
+    policy: str,
+    experts: int,
+    lrfu_decay: float = RuntimeConfig.lrfu_decay,
+) -> int:
+    pool = SlotPool(min(capacity, experts), experts, policy, lrfu_decay)
     hits = 0
     for row in trace:
         unique = np.unique(row)
@@ -44,7 +51,10 @@ def belady_hits(trace: np.ndarray, capacity: int) -> int:
 
 
 def replay_all(
-    traces: dict[int, np.ndarray], capacity: int, policy: str = "lrfu"
+    traces: dict[int, np.ndarray],
+    capacity: int,
+    policy: str = "lrfu",
+    lrfu_decay: float = RuntimeConfig.lrfu_decay,
 ) -> dict[str, float]:
     """Hit rates of LRU, `policy` and Belady on `traces`, from empty caches."""
     total = sum(sum(len(np.unique(r)) for r in t) for t in traces.values())
@@ -53,7 +63,7 @@ def replay_all(
         hits = 0
         for t in traces.values():
             experts = int(t.max()) + 1 if t.size else 1
-            hits += policy_hits(t, capacity, name, max(experts, capacity))
+            hits += policy_hits(t, capacity, name, max(experts, capacity), lrfu_decay)
         out[name] = hits / total if total else 0.0
     hits = sum(belady_hits(t, capacity) for t in traces.values())
     out["belady"] = hits / total if total else 0.0

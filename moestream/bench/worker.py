@@ -14,6 +14,7 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,13 +26,15 @@ from mlx_lm.utils import load_config, load_tokenizer
 
 from ..families import cast_floating
 from ..formats import load_manifest
+from ..formats.verify import check_files
 from ..reference import resident_from_converted
 from ..runtime.config import RuntimeConfig
 from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
 from .replay import replay_all
 
-# In-domain text for code models, present wherever moestream is installed.
-PROMPT_SOURCE = Path(__file__).resolve().parents[1] / "runtime" / "switch.py"
+# A fixed prompt (in-domain for code models), packaged with moestream: the
+# benchmark's routing stays the same across commits.
+PROMPT_FILE = "prompt.txt"
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,9 @@ class Job:
 
 
 def prompt_ids(tokenizer: object, n: int) -> list[int]:
-    text = PROMPT_SOURCE.read_text()[: 8 * n + 64]  # ~4 characters per token
+    """`n` token ids of the bench prompt (repeated if it is shorter)."""
+    text = resources.files(__package__).joinpath(PROMPT_FILE).read_text()
+    text = text[: 8 * n + 64]  # ~4 characters per token
     ids = tokenizer.encode(text)  # type: ignore[attr-defined]
     return (ids * (n // max(len(ids), 1) + 1))[:n]
 
@@ -64,6 +69,8 @@ def run(job: Job) -> dict:
         runtime = None
     else:
         context = job.prompt_tokens + job.decode_tokens + 1
+        if job.runtime.verify:  # as load will: its read buffers stay in RSS
+            check_files(out, load_manifest(out))
         budget = budget_for(out, job.capacity, context, job.runtime)
         gc.collect()
         options = replace(
@@ -111,8 +118,8 @@ def run(job: Job) -> dict:
         result["budget"] = runtime.plan.budget
         result["capacity"] = runtime.plan.capacity
         traces = s.routing()
-        capacity, policy = runtime.plan.capacity, job.runtime.policy
-        result["replay"] = replay_all(traces, capacity, policy)
+        capacity, cfg = runtime.plan.capacity, job.runtime
+        result["replay"] = replay_all(traces, capacity, cfg.policy, cfg.lrfu_decay)
     return result
 
 

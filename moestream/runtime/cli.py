@@ -135,11 +135,6 @@ def peak_rss() -> int:
     help="Do not predict and pre-read the next layer's experts.",
 )
 @click.option(
-    "--no-speculate",
-    is_flag=True,
-    help="Never start a layer's experts before its routing is read.",
-)
-@click.option(
     "--stats",
     "show_stats",
     is_flag=True,
@@ -165,7 +160,6 @@ def main(
     no_verify: bool,
     policy: str,
     no_prefetch: bool,
-    no_speculate: bool,
     show_stats: bool,
     as_json: bool,
 ) -> None:
@@ -193,7 +187,6 @@ def main(
             context=len(ids) + max_tokens,
             policy=policy,
             prefetch=not no_prefetch,
-            speculate=not no_speculate,
             tokenizer=tok,
         )
         if show_stats:

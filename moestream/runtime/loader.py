@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 import logging
 import math
 import os
 import resource
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,8 +22,6 @@ from ..families import (
     build_model,
     cast_floating,
     get_family,
-    layer_index,
-    module_at,
     quantize_as_configured,
     replace_module,
     switch_modules,
@@ -35,8 +31,9 @@ from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
 from ..units import human_bytes, parse_size
 from .config import RuntimeConfig
-from .pool import RuntimeStats
-from .store import ExpertStore, ReadAhead, check_layers
+from .prefetch import chain_prefetch, router_predictor  # noqa: F401  (old home)
+from .stats import RuntimeStats
+from .store import ExpertStore, check_layers
 from .switch import Outstanding, StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
@@ -65,7 +62,7 @@ class MemoryPlan:
     dense: int
     kv_cache: int
     activations: int
-    staging: int  # a record being widened, spare slots, reader-thread buffers
+    staging: int  # a record being widened, the spare slots
     reserve: int  # allocator slack and fragmentation outside MLX's accounting
     slot_bytes: int  # one slot in every MoE layer
     capacity: int
@@ -145,7 +142,7 @@ def load(
     log.info(plan.describe())
     if plan.budget is not None:
         _bound_allocators(plan)
-    stats = RuntimeStats(trace={} if cfg.record_trace else None)
+    stats = RuntimeStats(recording=cfg.record_trace)
     store = ExpertStore(directory, manifest, verify=cfg.verify)
     outstanding = Outstanding()
     streaming = {}
@@ -162,12 +159,7 @@ def load(
         )
         replace_module(model, spath, streaming[spath])
     if cfg.prefetch:
-        _chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
-        if cfg.prefetch_reads == "threads":
-            record = max(layer.record_nbytes for layer in manifest.layers)
-            ahead = ReadAhead(store, record, _ring_size(model_config, cfg))
-            for layer in streaming.values():
-                layer._ahead = ahead
+        chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
     mx.eval(model.parameters())
     for layer in streaming.values():
         layer.fill_if_all_fit()  # then decode never waits on the host
@@ -205,7 +197,6 @@ def _plan_model(
         parse_size(budget) if budget is not None else None,
         cfg.cache_experts,
         cfg.spare_slot,
-        _ring_size(config, cfg),
         cfg.concurrency,
     )
 
@@ -226,49 +217,6 @@ def _check_expert_shapes(
                 f"{sorted(got.items())[:4]} do not match the model's experts "
                 f"{sorted(want.items())[:4]}; convert again."
             )
-
-
-def _ring_size(config: dict, cfg: RuntimeConfig) -> int:
-    """Record buffers of the reader threads (none with kernel hints)."""
-    if not (cfg.prefetch and cfg.prefetch_reads == "threads"):
-        return 0
-    return 2 * (get_family(config).top_k(config) + cfg.prefetch_extra)
-
-
-def _chain_prefetch(
-    model: nn.Module,
-    streaming: dict[str, StreamingSwitchGLU],
-    config: dict,
-    extra: int,
-) -> None:
-    """Give each MoE layer the next one's router, to predict its experts early."""
-    ordered = sorted(streaming.items(), key=lambda kv: layer_index(kv[0]))
-    k = get_family(config).top_k(config) + extra
-    for (_, layer), (path, nxt) in itertools.pairwise(ordered):
-        predict = router_predictor(module_at(model, path.rpartition(".")[0]), k)
-        if predict is not None:
-            layer.chain(nxt, predict)
-
-
-def router_predictor(block: nn.Module, k: int) -> Callable | None:
-    """x -> the `k` experts `block`'s router picks for x (None: no router found)."""
-    gate = next(
-        (getattr(block, n) for n in ("gate", "router") if hasattr(block, n)), None
-    )
-    if not callable(gate):
-        return None
-    bias = block.get("e_score_correction_bias")  # minimax ranks biased sigmoids
-
-    def predict(x: mx.array) -> mx.array:
-        out = gate(x)
-        if isinstance(out, tuple):  # gates that route themselves: (inds, scores)
-            return out[0]
-        if bias is not None:
-            out = mx.sigmoid(out.astype(mx.float32)) + bias
-        n = min(k, out.shape[-1])
-        return mx.argpartition(-out, kth=n - 1, axis=-1)[..., :n]
-
-    return predict
 
 
 def budget_for(
@@ -405,7 +353,6 @@ def plan_memory(
     budget: int | None,
     cache_experts: int | None,
     spare_slot: bool = False,
-    ring: int = 0,
     concurrency: int = 1,
 ) -> MemoryPlan:
     """Split `budget`; `concurrency` sequences decode at once, and each layer
@@ -419,7 +366,6 @@ def plan_memory(
     act = concurrency * _activation_bytes(config, context, top_k)
     staging = max(layer.record_nbytes for layer in manifest.layers)
     staging += slot if spare_slot else 0  # the spare zero slot of whole groups
-    staging += ring * max(layer.record_nbytes for layer in manifest.layers)
     if cache_experts is None and budget is None:
         budget = int(0.8 * _physical_memory())
     reserve = RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))

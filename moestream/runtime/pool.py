@@ -2,97 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
-
 import numpy as np
 
-
-@dataclass
-class RuntimeStats:
-    """Counters of one loaded model; read with `moestream.stats(model)`."""
-
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    bytes_read: int = 0
-    grouped_calls: int = 0
-    # Decode calls started on the resident slots before the routing was read
-    # (`speculate`), and those of them whose misses were computed afterwards.
-    early_calls: int = 0
-    late_calls: int = 0
-    # Decode calls of layers that hold every expert: no read, no host sync.
-    sync_free_calls: int = 0
-    # Calls whose slots the native engine resolved inside the stream.
-    native_calls: int = 0
-    # Prefetch: experts predicted for the next layer and not resident then.
-    prefetched: int = 0
-    prefetched_used: int = 0  # ... that the next layer routed to
-    prefetch_bytes: int = 0
-    misses_prefetched: int = 0  # misses whose record had been prefetched
-    per_layer_misses: dict[int, int] = field(default_factory=dict)
-    # Routed experts per MoE layer and call, when recording a trace (benchmarks);
-    # calls that never sync keep their (evaluated) mx.array: read with routing().
-    trace: dict[int, list] | None = None
-    # Native expert caches whose counters `collect` folds in (engine="native").
-    native: list = field(default_factory=list, repr=False)
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    @property
-    def prefetch_precision(self) -> float:
-        return self.prefetched_used / self.prefetched if self.prefetched else 0.0
-
-    @property
-    def prefetch_recall(self) -> float:
-        return self.misses_prefetched / self.misses if self.misses else 0.0
-
-    @property
-    def wasted_bytes(self) -> int:
-        per = self.prefetch_bytes / self.prefetched if self.prefetched else 0
-        return int((self.prefetched - self.prefetched_used) * per)
-
-    def routing(self) -> dict[int, np.ndarray]:
-        """The recorded trace: per MoE layer, one row of expert ids per token."""
-        return {
-            layer: np.concatenate([np.array(r).reshape(-1, r.shape[-1]) for r in rows])
-            for layer, rows in (self.trace or {}).items()
-        }
-
-    def collect(self) -> RuntimeStats:
-        """Fold in what the native caches counted since the last collect."""
-        for cache in self.native:
-            for name, value in cache.take_counters().items():
-                setattr(self, name, getattr(self, name) + value)
-        return self
-
-    def reset(self) -> None:
-        self.collect()
-        for f in fields(self):
-            if f.name not in ("trace", "native"):
-                default = f.default_factory if f.default is MISSING else None
-                setattr(self, f.name, default() if default else f.default)
-        if self.trace is not None:
-            self.trace = {}
-
-    def as_dict(self) -> dict:
-        return {
-            "hits": self.hits,
-            "misses": self.misses,
-            "evictions": self.evictions,
-            "bytes_read": self.bytes_read,
-            "hit_rate": self.hit_rate,
-            "prefetched": self.prefetched,
-            "prefetch_precision": self.prefetch_precision,
-            "prefetch_recall": self.prefetch_recall,
-            "prefetch_wasted_bytes": self.wasted_bytes,
-            "early_calls": self.early_calls,
-            "late_calls": self.late_calls,
-            "sync_free_calls": self.sync_free_calls,
-            "native_calls": self.native_calls,
-        }
+from .config import RuntimeConfig
+from .stats import RuntimeStats  # noqa: F401  (its old home)
 
 
 class Policy:
@@ -103,9 +16,6 @@ class Policy:
 
     def used(self, experts: np.ndarray, tokens: int) -> None:
         raise NotImplementedError
-
-    def evicted(self, expert: int) -> None:
-        pass
 
 
 class LRU(Policy):
@@ -121,12 +31,11 @@ class LRU(Policy):
 class LRFU(Policy):
     """Exponentially decayed use count (LRFU, Lee et al. 1999).
 
-    Each use adds 1; every token multiplies all counts by `decay`. Replaying
-    the trained fixture's routing at 25 % capacity, decay 0.98 (a half-life of
-    ~34 tokens) closes 43 % of the gap between LRU and Belady; LFUDA 34 %.
+    Each use adds 1; every token multiplies all counts by `decay`
+    (RuntimeConfig.lrfu_decay).
     """
 
-    def __init__(self, num_experts: int, decay: float = 0.98):
+    def __init__(self, num_experts: int, decay: float):
         super().__init__(num_experts)
         self.decay = decay
 
@@ -135,41 +44,33 @@ class LRFU(Policy):
         self.score[experts] += 1.0
 
 
-class LFUDA(Policy):
-    """Least frequently used with dynamic aging (Arlitt et al. 2000)."""
-
-    def __init__(self, num_experts: int):
-        super().__init__(num_experts)
-        self.count = np.zeros(num_experts)
-        self.age = 0.0
-
-    def used(self, experts: np.ndarray, tokens: int) -> None:
-        self.count[experts] += 1
-        self.score[experts] = self.count[experts] + self.age
-
-    def evicted(self, expert: int) -> None:
-        self.age = self.score[expert]
+POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lrfu": LRFU}
 
 
-POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lrfu": LRFU, "lfuda": LFUDA}
-
-
-def make_policy(name: str, num_experts: int) -> Policy:
+def make_policy(
+    name: str, num_experts: int, lrfu_decay: float = RuntimeConfig.lrfu_decay
+) -> Policy:
     if name not in POLICIES:
         raise ValueError(
             f"Unknown cache policy {name!r}; use one of {', '.join(POLICIES)}."
         )
-    return POLICIES[name](num_experts)
+    return LRFU(num_experts, lrfu_decay) if name == "lrfu" else LRU(num_experts)
 
 
 class SlotPool:
     """Which expert sits in which of `capacity` slots, and who is evicted next."""
 
-    def __init__(self, capacity: int, num_experts: int, policy: str = "lru"):
+    def __init__(
+        self,
+        capacity: int,
+        num_experts: int,
+        policy: str = "lru",
+        lrfu_decay: float = RuntimeConfig.lrfu_decay,
+    ):
         if capacity < 1:
             raise ValueError("A slot pool needs at least one slot.")
         self.capacity = capacity
-        self.policy = make_policy(policy, num_experts)
+        self.policy = make_policy(policy, num_experts, lrfu_decay)
         self.slot_of: dict[int, int] = {}
         self.free = list(range(capacity - 1, -1, -1))
         # expert -> slot as an array; `capacity` (the row past the pool) if absent.
@@ -205,7 +106,6 @@ class SlotPool:
             np.int64,  # type: ignore[operator]
         )
         victim = int(candidates[np.argmin(self.policy.score[candidates])])
-        self.policy.evicted(victim)
         self.table[victim] = self.capacity
         return self.slot_of.pop(victim)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -80,38 +79,6 @@ class ExpertStore:
         self.readers.clear()
 
 
-class ReadAhead:
-    """Reader threads: whole records `preadv`-ed into a bounded ring of buffers.
-
-    The alternative to kernel hints (`prefetch_reads="threads"`): a buffer is
-    reused only after its previous read has finished, so at most `buffers`
-    records are in flight or waiting to be copied into slots.
-    """
-
-    def __init__(self, store: ExpertStore, record_nbytes: int, buffers: int):
-        self.store = store
-        self.ring = [memoryview(bytearray(record_nbytes)) for _ in range(buffers)]
-        self.busy: list[Future | None] = [None] * buffers
-        self.next = 0
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="moestream-read")
-
-    def submit(self, layer: ExpertLayer, experts: list[int]) -> dict:
-        """Start reading `experts` of `layer`: {expert: (future, record buffer)}."""
-        out = {}
-        # Half the ring per layer: the next layer's reads never reuse these.
-        for e in experts[: len(self.ring) // 2]:
-            i, self.next = self.next, (self.next + 1) % len(self.ring)
-            if self.busy[i] is not None:
-                self.busy[i].exception()  # wait: its buffer is about to be reused
-            buf = self.ring[i][: layer.record_nbytes]
-            self.busy[i] = self.pool.submit(self.store.readv, layer.layer, e, [buf])
-            out[e] = (self.busy[i], buf)
-        return out
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
 RAW_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
@@ -151,24 +118,9 @@ class SlotFiller:
         for i in widen:
             self._widen(self.layer.segments[i], self.views[i][slot], self.dtypes[i])
 
-    def fill_from(self, record: memoryview, slot: int) -> None:
-        """Copy a record already read (and verified) into `slot`."""
-        for i, seg in enumerate(self.layer.segments):
-            if seg.dtype == DTYPE_NAMES[self.dtypes[i]]:
-                dst = memoryview(self.views[i][slot]).cast("B")
-                dst[:] = record[seg.offset : seg.offset + seg.nbytes]
-            else:
-                self._widen(seg, self.views[i][slot], self.dtypes[i], record)
-
-    def _widen(
-        self,
-        seg: Segment,
-        dst: np.ndarray,
-        dtype: mx.Dtype,
-        record: memoryview | None = None,
-    ) -> None:
+    def _widen(self, seg: Segment, dst: np.ndarray, dtype: mx.Dtype) -> None:
         raw = np.frombuffer(
-            self.staging if record is None else record,
+            self.staging,
             NUMPY_DTYPES[seg.dtype],
             offset=seg.offset,
             count=seg.nbytes // NUMPY_DTYPES[seg.dtype]().itemsize,

@@ -1,18 +1,10 @@
 """StreamingSwitchGLU: the hot path.
 
 It wraps the family's own (quantized) SwitchGLU, whose weight arrays are
-replaced by persistent slot arrays `[capacity, ...]`. A call maps expert ids
-to slots, reads the missing experts straight into slot memory, and runs
-mlx-lm's SwitchGLU on slot-local indices: same kernels, same activation and
-biases, so the result is bit-identical to the fully resident model.
-
-Decode calls are speculative (`RuntimeConfig.speculate`): the experts run on
-the slots resident *before* the host reads the routing (a device-side
-expert -> slot table sends absent experts to a zero slot), so MLX computes
-them while the host syncs. Misses are then read into slots no routed expert
-occupies, their rows computed and spliced in: a gather kernel on the CPU
-computes each row alone, so this equals the whole call bit for bit; where
-rows are not independent (GPU, `whole_calls`) the call runs again whole.
+replaced by persistent slot arrays `[capacity, ...]`. A call maps the routed
+experts to slots, reading the missing ones straight into slot memory, and
+runs mlx-lm's SwitchGLU on the slot indices: same kernels, same activation
+and biases, so the result is bit-identical to the fully resident model.
 
 Slots are written in place. Every output a streaming layer returns is kept in
 a list shared by the model's layers and evaluated right after the next host
@@ -23,6 +15,7 @@ computation ever reads a slot that a later call overwrites.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,22 +25,28 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from ..formats import ExpertLayer
 from . import native
 from .config import RuntimeConfig
-from .pool import RuntimeStats, SlotPool
-from .store import ExpertStore, ReadAhead, SlotFiller
+from .pool import SlotPool
+from .prefetch import Prefetch
+from .stats import RuntimeStats
+from .store import ExpertStore, SlotFiller
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
-# SwitchGLU sorts the pairs of a call this large; such calls never speculate.
-SORTED_CALL = 64
-# A layer speculates while this share of its recent decode calls (decayed
-# by CLEAN_DECAY per call) missed nothing: a speculative call with misses
-# computes the missed rows twice.
-SPECULATE_ABOVE = 0.8
-CLEAN_DECAY = 0.9
-# A decode call with misses splits its rows (hits first, misses after their
-# reads) only when the misses are this large: smaller ones read faster than
-# the split's extra calls cost (trained fixture, 27 KB records: 0.60x resident
-# split vs 0.72x whole at 25 %; small model, 0.88 MB records: split wins).
-SPLIT_MIN_BYTES = 256 << 10
+
+
+@dataclass
+class Routing:
+    """One call's routing, read on the host."""
+
+    experts: np.ndarray  # (..., k) routed expert ids
+    unique: np.ndarray
+    predicted: mx.array | None  # the next MoE layer's experts, predicted
+    expected: set[int]  # what the layer before prefetched for us, not yet used
+    prefetched: list[int]  # ... all of it, for the event
+    counters: tuple[int, int, int]  # hits, misses, bytes_read before the call
+
+    @property
+    def tokens(self) -> int:
+        return self.experts.size // self.experts.shape[-1]
 
 
 def _assemble(parts: list[tuple[np.ndarray, mx.array]], shape: tuple) -> mx.array:
@@ -95,15 +94,12 @@ class StreamingSwitchGLU(nn.Module):
         self._outstanding = outstanding
         self._float_dtype = float_dtype
         cap = min(capacity, layer.num_experts)
-        self._pool = SlotPool(cap, layer.num_experts, config.policy)
-        # One zero slot past the pool (the pool's table sends absent experts
-        # there) for speculative calls and whole-call groups.
-        self._speculate, self._whole = config.speculate, config.rows_whole
+        self._pool = SlotPool(cap, layer.num_experts, config.policy, config.lrfu_decay)
+        # Whole-call groups send other groups' pairs to a zero slot past the pool.
+        self._whole = config.rows_whole
         self._spare = cap if config.spare_slot else None
-        self._clean = 1.0  # decayed share of decode calls that missed nothing
-        self._foreseen_miss = False  # the prediction for our next call misses
         # The expert -> slot table on the device once every expert is resident.
-        self._all_resident: mx.array | None = None
+        self._table: mx.array | None = None
         self._targets = self._allocate_slots()
         slots = [m[n] for m, n in self._targets]
         self._native = None
@@ -115,25 +111,24 @@ class StreamingSwitchGLU(nn.Module):
                 cap,
                 verify=store.verify,
                 policy=config.policy,
-                decay=0.98,
+                decay=config.lrfu_decay,
                 max_pairs=cap,
             )
             stats.native.append(self._native)
         else:  # host views of the slots (on a GPU they become managed memory)
             self._filler = SlotFiller(store, layer, slots)
-        # Prefetch: the next MoE layer and its router's prediction from our input.
-        self._next: StreamingSwitchGLU | None = None
+        # Prefetch: what the layer before predicts for us, and the next
+        # layer's router applied to our input.
+        self._prefetch = Prefetch(store, layer, self._pool, stats)
+        self._next: Prefetch | None = None
         self._predict: Callable[[mx.array], mx.array] | None = None
-        self._prefetched: set[int] = set()
-        # prefetch_reads="threads": the reader ring, and records staged for us.
-        self._ahead: ReadAhead | None = None
-        self._staged: dict[int, tuple] = {}
+        self._routing: Routing | None = None  # the call in progress
 
     def chain(
         self, nxt: StreamingSwitchGLU, predict: Callable[[mx.array], mx.array]
     ) -> None:
         """Prefetch for `nxt` with `predict(x)`: its router applied to our input."""
-        self._next, self._predict = nxt, predict
+        self._next, self._predict = nxt._prefetch, predict
         if self._native is not None:
             self._native.chain(nxt._native)
 
@@ -180,92 +175,191 @@ class StreamingSwitchGLU(nn.Module):
         return targets
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        decode = indices.size <= self.capacity and indices.size < SORTED_CALL
-        if decode and self._all_resident is not None:
-            # Every expert is in a slot for good: nothing to read, no sync.
-            self._record(indices)
-            self._stats.hits += indices.size
-            self._stats.sync_free_calls += 1
-            return self._inner(x, self._all_resident[indices])
-        if self._native is not None:
-            return self._native_call(x, indices)
-        predicted = self._predict(x) if self._predict is not None else None
-        routing = [indices] if predicted is None else [indices, predicted]
-        early = None
-        if (
-            decode
-            and self._speculate
-            and self._clean >= SPECULATE_ABOVE
-            and not self._foreseen_miss
-        ):
-            # The routing gets its own evaluation, so the sync below waits for
-            # the router only, not for the experts queued behind it.
-            mx.async_eval(routing)
-            early = self._inner(x, mx.array(self._pool.table)[indices])
-            mx.async_eval(early)
-            self._stats.early_calls += 1
-        else:
-            mx.eval(routing)
-        experts = np.array(indices)  # the one host sync of this layer
-        unique = np.unique(experts)
-        missing = self._pool.absent(unique)
-        split = (
-            decode
-            and missing.size * self._layer.record_nbytes >= SPLIT_MIN_BYTES
-            and not self._whole
-        )
-        # Start what is resident computing before any bookkeeping or read.
-        if early is None and not missing.size:
-            early = self._inner(x, mx.array(self._pool.table[experts]))
-            mx.async_eval(early)
-        flat = experts.reshape(-1)
-        miss = np.isin(flat, missing)
-        parts = []  # (pairs, rows) of a split call
-        if split and early is not None:
-            parts.append((np.arange(flat.size), early.reshape(flat.size, -1)))
-        elif split and not miss.all():
-            hits = np.flatnonzero(~miss)
-            parts.append((hits, self._rows(x, experts, hits, self._pool.table)))
-            mx.async_eval(parts[0][1])
-        self._after_sync(experts, missing, predicted)
-        if early is not None:  # after the settle: it stays in flight
-            self._outstanding.arrays.append(early)
-        tokens = experts.size // experts.shape[-1]
-        if unique.size > self.capacity:
-            return self._issue(self._grouped(x, experts, unique))
-        if decode:
-            clean = not missing.size
-            self._clean = CLEAN_DECAY * self._clean + (1 - CLEAN_DECAY) * clean
-        lut = self._load(unique, tokens)  # reads the misses
-        if not missing.size:
-            return self._issue(early)
-        self._stats.late_calls += 1
-        if not split:  # whole calls: run it (again) on the full slot map
-            return self._issue(self._inner(x, mx.array(lut[experts])))
-        # Rows are computed alone here: only the misses' rows run now.
-        late = np.flatnonzero(miss)
-        parts.append((late, self._rows(x, experts, late, lut)))
-        return self._issue(_assemble(parts, experts.shape))
+        if indices.size > self.capacity:
+            return self._grouped(x, indices)
+        if self._table is not None:
+            return self._resident(x, indices)
+        return self._decode(x, indices)
 
-    def _native_call(self, x: mx.array, indices: mx.array) -> mx.array:
-        """The native engine: slots resolved (misses read) inside the stream."""
-        error = self._native.take_error()
+    def _resident(self, x: mx.array, indices: mx.array) -> mx.array:
+        """Every expert holds a slot for good: nothing to read, no host sync."""
+        self._stats.hits += indices.size
+        self._stats.sync_free_calls += 1
+        self._stats.record(self._layer.layer, indices, None, 0, [], 0)
+        return self._inner(x, self._table[indices])  # type: ignore[index]
+
+    def _decode(self, x: mx.array, indices: mx.array) -> mx.array:
+        """At most `capacity` pairs (decode): one call on the routed experts' slots."""
+        y = self._inner(x, self.slots(x, indices))
+        return y if self._native is not None else self._issue(y)
+
+    def slots(self, x: mx.array, indices: mx.array) -> mx.array:
+        """Slot indices for `indices`, every routed expert read into a slot: the
+        step an engine implements. "python" reads the routing on the host (one
+        sync); "native" resolves it inside MLX's stream."""
+        if self._native is not None:
+            self._native_check()
+            self._stats.record(self._layer.layer, indices, None, None, [], None)
+            return native.fetch(self._native, indices, self._prediction(x))
+        routing = self._route(x, indices)
+        lut = self._load(routing.unique, routing.tokens, routing.expected)
+        return mx.array(lut[routing.experts])
+
+    def _grouped(self, x: mx.array, indices: mx.array) -> mx.array:
+        """More pairs than slots (prefill): one call if the routed experts fit,
+        else slot-sized groups, each run once its experts are read."""
+        r = self._route(x, indices)
+        if r.unique.size <= self.capacity:
+            lut = self._load(r.unique, r.tokens, r.expected)
+            return self._issue(self._inner(x, mx.array(lut[r.experts])))
+        self._stats.grouped_calls += 1
+        if self._native is None:  # the disk reads all of them in parallel
+            self._store.willneed(
+                self._layer.layer, self._pool.absent(r.unique).tolist()
+            )
+        groups = range(0, r.unique.size, self.capacity)
+        groups = [r.unique[g : g + self.capacity] for g in groups]
+        run = self._groups_whole if self._whole else self._groups
+        return self._issue(run(x, r, groups))
+
+    def _route(self, x: mx.array, indices: mx.array) -> Routing:
+        """Read the routing (and the next layer's prediction) on the host."""
+        predicted = None
+        if self._native is not None:
+            self._native_check()
+            mx.eval(indices)
+            mx.synchronize()  # nothing in flight reads a slot the groups overwrite
+        else:
+            predicted = self._prediction(x)
+            mx.eval(indices if predicted is None else [indices, predicted])
+        experts = np.array(indices)  # the one host sync of this layer
+        # Earlier outputs are upstream of `indices`, so computed by now: settle
+        # them, and nothing pending reads a slot we write.
+        self._outstanding.settle()
+        expected = self._prefetch.take()
+        s = self._stats
+        self._routing = Routing(
+            experts,
+            np.unique(experts),
+            predicted,
+            expected,
+            sorted(expected),
+            (s.hits, s.misses, s.bytes_read),
+        )
+        return self._routing
+
+    def _prediction(self, x: mx.array) -> mx.array | None:
+        return self._predict(x) if self._predict is not None else None
+
+    def _native_check(self) -> None:
+        error = self._native.take_error()  # type: ignore[union-attr]
         if error:
             raise native.NativeEngineError(error)
-        if indices.size <= self.capacity:
-            predicted = self._predict(x) if self._predict is not None else None
-            self._record(indices)
-            return self._inner(x, native.fetch(self._native, indices, predicted))
-        # More pairs than slots (prefill): host-side groups, as the Python path.
-        mx.eval(indices)
-        mx.synchronize()  # nothing in flight reads a slot the groups overwrite
-        experts = np.array(indices)
-        self._record(experts)
-        unique = np.unique(experts)
-        if unique.size <= self.capacity:
-            lut = self._load(unique, experts.size // experts.shape[-1])
-            return self._inner(x, mx.array(lut[experts]))
-        return self._grouped(x, experts, unique)
+
+    def _issue(self, y: mx.array) -> mx.array:
+        """Hand `y` to MLX and keep it until the next host sync; while it
+        computes, hint the next layer's predicted experts and record the call."""
+        self._outstanding.arrays.append(y)
+        mx.async_eval(y)  # compute while Python builds the next layer's graph
+        r, self._routing = self._routing, None
+        assert r is not None  # set by _route
+        if r.predicted is not None and self._next is not None:
+            self._next.start(np.array(r.predicted))
+        self._record(r)
+        return y
+
+    def _record(self, r: Routing) -> None:
+        s, layer = self._stats, self._layer.layer
+        if self._native is not None:  # the native cache counts in the stream
+            s.record(layer, r.experts, None, None, [], None)
+            return
+        hits, misses, nbytes = r.counters
+        s.record(
+            layer,
+            r.experts,
+            s.hits - hits,
+            s.misses - misses,
+            r.prefetched,
+            s.bytes_read - nbytes,
+        )
+
+    def fill_if_all_fit(self) -> None:
+        """With a slot for every expert, read them all now (in file order, at
+        disk speed): the layer then never misses, and decodes with no sync."""
+        if self.capacity >= self._layer.num_experts:
+            self._load(np.arange(self._layer.num_experts), tokens=0)
+
+    def _load(
+        self, experts: np.ndarray, tokens: int = 1, expected: set[int] | None = None
+    ) -> np.ndarray:
+        """Make `experts` (unique, at most `capacity`) resident; return the
+        expert -> slot table. `expected`: prefetched experts, scored here."""
+        if self._native is not None:
+            self._native.load(experts.tolist(), tokens)
+            table = np.array(self._native.table(), np.uint32)
+            if (table < self.capacity).all():
+                self._table = mx.array(table)  # never evicts now
+            return table
+        free = len(self._pool.free)
+        slots, misses = self._pool.assign(experts, tokens)
+        s = self._stats
+        s.hits += len(experts) - len(misses)
+        s.misses += len(misses)
+        s.evictions += max(0, len(misses) - free)
+        if expected:
+            used = expected.intersection(slots)
+            expected -= used
+            self._prefetch.score(used, experts, [e for e, _ in misses])
+        if misses:  # the kernel reads them all in parallel while we copy each
+            self._store.willneed(self._layer.layer, [e for e, _ in misses])
+            self._read(misses)
+        return self._pool.table
+
+    def _read(self, misses: list[tuple[int, int]]) -> None:
+        """Read each (expert, slot) record into its slot, verified on first read."""
+        s = self._stats
+        for n, (expert, slot) in enumerate(misses):
+            try:
+                self._filler.fill(expert, slot)
+            except BaseException:
+                for e, _ in misses[n:]:  # their slots hold partial data now
+                    self._pool.forget(e)
+                raise
+            s.bytes_read += self._layer.record_nbytes
+        layer = self._layer.layer
+        s.per_layer_misses[layer] = s.per_layer_misses.get(layer, 0) + len(misses)
+        if len(self._pool.slot_of) == self._layer.num_experts:
+            self._table = mx.array(self._pool.table)  # never evicts now
+
+    def _groups(self, x: mx.array, r: Routing, groups: list[np.ndarray]) -> mx.array:
+        """Each group's rows computed alone (CPU: a gather kernel computes each
+        row by itself, so this equals the whole call) and put back in order."""
+        flat = r.experts.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        parts = []
+        for i, group in enumerate(groups):
+            lut = self._load(group, r.tokens if i == 0 else 0, r.expected)
+            pairs = order[np.isin(flat[order], group)]
+            out = self._rows(x, r.experts, pairs, lut)
+            mx.eval(out)  # the next group overwrites these slots
+            parts.append((pairs, out))
+        return _assemble(parts, r.experts.shape)
+
+    def _groups_whole(
+        self, x: mx.array, r: Routing, groups: list[np.ndarray]
+    ) -> mx.array:
+        """Groups as whole calls: GPU kernels pick their algorithm by the rows
+        of a call, so each group runs the resident model's exact call, with the
+        pairs of other groups sent to a spare zero slot and masked out."""
+        y = None
+        for i, group in enumerate(groups):
+            lut = self._load(group, r.tokens if i == 0 else 0, r.expected)
+            member = np.isin(r.experts, group)
+            slots = np.where(member, lut[r.experts], self._spare)
+            out = self._inner(x, mx.array(slots))
+            y = out if y is None else mx.where(mx.array(member)[..., None], out, y)
+            mx.eval(y)  # the next group overwrites these slots
+        return y  # type: ignore[return-value]
 
     def _rows(
         self, x: mx.array, experts: np.ndarray, pairs: np.ndarray, lut: np.ndarray
@@ -275,128 +369,3 @@ class StreamingSwitchGLU(nn.Module):
         rows = x.reshape(-1, x.shape[-1])[mx.array(pairs // k)]
         slots = mx.array(lut[experts.reshape(-1)[pairs]])[:, None]
         return self._inner(rows, slots)[:, 0]
-
-    def _after_sync(
-        self, experts: np.ndarray, missing: np.ndarray, predicted: mx.array | None
-    ) -> None:
-        """Bookkeeping once the routing is known: no pending computation may
-        read a slot from here on; hint the misses and the next layer's
-        predicted experts to the kernel."""
-        self._outstanding.settle()
-        self._record(experts)
-        if missing.size:  # the kernel reads them in parallel while we copy
-            self._store.willneed(self._layer.layer, missing.tolist())
-        if predicted is not None:
-            self._next.prefetch(np.unique(np.array(predicted)))  # type: ignore[union-attr]
-
-    def _record(self, routing: np.ndarray | mx.array) -> None:
-        """Keep the routed experts when recording a trace (read with
-        `RuntimeStats.routing()`; an mx.array is read once evaluated)."""
-        if self._stats.trace is not None:
-            self._stats.trace.setdefault(self._layer.layer, []).append(routing)
-
-    def _issue(self, y: mx.array) -> mx.array:
-        """Hand `y` to MLX and keep it until the next sync evaluates it."""
-        self._prefetched.clear()
-        self._staged = {}
-        self._outstanding.arrays.append(y)
-        mx.async_eval(y)  # compute while Python builds the next layer's graph
-        return y
-
-    def fill_if_all_fit(self) -> None:
-        """With a slot for every expert, read them all now (in file order, at
-        disk speed): the layer then never misses, and decodes with no sync."""
-        if self.capacity >= self._layer.num_experts:
-            self._load(np.arange(self._layer.num_experts), tokens=0)
-
-    def prefetch(self, experts: np.ndarray) -> None:
-        """Start reading the records of `experts` that are not resident."""
-        missing = self._pool.absent(experts).tolist()
-        self._foreseen_miss = bool(missing)
-        if missing:
-            if self._ahead is not None:
-                self._staged = self._ahead.submit(self._layer, missing)
-                missing = list(self._staged)
-            else:
-                self._store.willneed(self._layer.layer, missing)
-            self._prefetched.update(missing)
-            self._stats.prefetched += len(missing)
-            self._stats.prefetch_bytes += len(missing) * self._layer.record_nbytes
-
-    def _load(self, experts: np.ndarray, tokens: int = 1) -> np.ndarray:
-        """Make `experts` resident; return the expert -> slot lookup table."""
-        if self._native is not None:
-            self._native.load(experts.tolist(), tokens)
-            table = np.array(self._native.table(), np.uint32)
-            if (table < self.capacity).all():
-                self._all_resident = mx.array(table)  # never evicts now
-            return table
-        free = len(self._pool.free)
-        slots, misses = self._pool.assign(experts, tokens)
-        stats = self._stats
-        stats.hits += len(experts) - len(misses)
-        stats.misses += len(misses)
-        stats.evictions += max(0, len(misses) - free)
-        used = self._prefetched.intersection(slots)
-        stats.prefetched_used += len(used)
-        stats.misses_prefetched += sum(e in used for e, _ in misses)
-        self._prefetched.difference_update(used)
-        for n, (expert, slot) in enumerate(misses):
-            try:
-                if expert in self._staged:
-                    done, record = self._staged.pop(expert)
-                    done.result()  # a read or checksum error surfaces here
-                    self._filler.fill_from(record, slot)
-                else:
-                    self._filler.fill(expert, slot)
-            except BaseException:
-                for e, _ in misses[n:]:  # their slots hold partial data now
-                    self._pool.forget(e)
-                raise
-            stats.bytes_read += self._layer.record_nbytes
-        if misses:
-            layer = self._layer.layer
-            stats.per_layer_misses[layer] = stats.per_layer_misses.get(layer, 0) + len(
-                misses
-            )
-            if len(self._pool.slot_of) == self._layer.num_experts:
-                self._all_resident = mx.array(self._pool.table)  # never evicts now
-        return self._pool.table
-
-    def _grouped(
-        self, x: mx.array, experts: np.ndarray, unique: np.ndarray
-    ) -> mx.array:
-        """More routed experts than slots (prefill): run them in slot-sized groups."""
-        self._stats.grouped_calls += 1
-        if self._whole:
-            return self._grouped_whole(x, experts, unique)
-        flat = experts.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        parts = []
-        for start in range(0, unique.size, self.capacity):
-            group = unique[start : start + self.capacity]
-            tokens = flat.size // experts.shape[-1] if start == 0 else 0
-            lut = self._load(group, tokens)
-            pairs = order[np.isin(flat[order], group)]
-            out = self._rows(x, experts, pairs, lut)
-            mx.eval(out)  # the next group overwrites these slots
-            parts.append((pairs, out))
-        return _assemble(parts, experts.shape)
-
-    def _grouped_whole(
-        self, x: mx.array, experts: np.ndarray, unique: np.ndarray
-    ) -> mx.array:
-        """Groups as whole calls: GPU kernels pick their algorithm by the rows
-        of a call, so each group runs the resident model's exact call, with the
-        pairs of other groups sent to a spare zero slot and masked out."""
-        y = None
-        for start in range(0, unique.size, self.capacity):
-            group = unique[start : start + self.capacity]
-            tokens = experts.size // experts.shape[-1] if start == 0 else 0
-            lut = self._load(group, tokens)
-            member = np.isin(experts, group)
-            slots = np.where(member, lut[experts], self._spare)
-            out = self._inner(x, mx.array(slots))
-            y = out if y is None else mx.where(mx.array(member)[..., None], out, y)
-            mx.eval(y)  # the next group overwrites these slots
-        return y
