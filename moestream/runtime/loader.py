@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_config, load_tokenizer
+from tqdm import tqdm
 
 from ..families import (
     build_model,
@@ -108,6 +109,7 @@ def load(
     path: str | Path,
     config: RuntimeConfig | None = None,
     tokenizer: TokenizerWrapper | None = None,
+    progress: bool = False,
     **options: object,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a converted model for `mlx_lm.generate` / `mlx_lm.stream_generate`.
@@ -115,12 +117,14 @@ def load(
     config: the runtime options (`RuntimeConfig`); keyword `options` override
         its fields, e.g. `load(out, memory_budget="8G", prefetch=False)`.
     tokenizer: reuse one already loaded from `path` (its memory counts as process).
+    progress: progress bars (stderr) for the file checksums and for reading
+        every expert when all fit.
     """
     cfg = replace(config or RuntimeConfig(), **options)  # validates the options
     directory = Path(path)
     manifest = load_manifest(directory)
     if cfg.verify:  # dense, config and tokenizer files, before any is used
-        check_files(directory, manifest)
+        check_files(directory, manifest, progress=progress)
     compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     model_config = load_config(directory)
     if tokenizer is None:
@@ -136,19 +140,7 @@ def load(
     _load_dense(model, directory, manifest, model_config)
     _check_expert_shapes(switches, layers)
     cast_floating(model, compute)
-    budget = cfg.memory_budget
-    plan = plan_memory(
-        manifest,
-        model_config,
-        _nbytes(model),
-        compute,
-        process,
-        cfg.context,
-        parse_size(budget) if budget is not None else None,
-        cfg.cache_experts,
-        cfg.spare_slot,
-        _ring_size(model_config, cfg),
-    )
+    plan = _plan(manifest, model_config, model, compute, process, cfg)
     log.info(plan.describe())
     if plan.budget is not None:
         _bound_allocators(plan)
@@ -176,7 +168,10 @@ def load(
             for layer in streaming.values():
                 layer._ahead = ahead
     mx.eval(model.parameters())
-    for layer in streaming.values():
+    all_fit = plan.capacity >= plan.num_experts
+    for layer in tqdm(
+        streaming.values(), "experts", unit="layer", disable=not (progress and all_fit)
+    ):
         layer.fill_if_all_fit()  # then decode never waits on the host
     stats.reset()
     model.eval()
@@ -245,6 +240,51 @@ def router_predictor(block: nn.Module, k: int) -> Callable | None:
     return predict
 
 
+def memory_plan(
+    path: str | Path, config: RuntimeConfig | None = None, **options: object
+) -> MemoryPlan:
+    """The memory plan `load(path, config, **options)` makes, without reading
+    any weight: the model is built lazily and its dense tensors are mapped,
+    never evaluated. The process is measured now (load the tokenizer first to
+    count it, as `load` does)."""
+    cfg = replace(config or RuntimeConfig(), **options)
+    directory = Path(path)
+    manifest = load_manifest(directory)
+    config_dict = load_config(directory)
+    compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
+    process = _process_bytes()
+    model = build_model(config_dict)
+    switches = switch_modules(model)
+    layers = check_layers(manifest, switches)
+    _load_dense(model, directory, manifest, config_dict)
+    _check_expert_shapes(switches, layers)
+    cast_floating(model, compute)
+    return _plan(manifest, config_dict, model, compute, process, cfg)
+
+
+def _plan(
+    manifest: Manifest,
+    config: dict,
+    model: nn.Module,
+    compute: mx.Dtype,
+    process: int,
+    cfg: RuntimeConfig,
+) -> MemoryPlan:
+    budget = cfg.memory_budget
+    return plan_memory(
+        manifest,
+        config,
+        _nbytes(model),
+        compute,
+        process,
+        cfg.context,
+        parse_size(budget) if budget is not None else None,
+        cfg.cache_experts,
+        cfg.spare_slot,
+        _ring_size(config, cfg),
+    )
+
+
 def budget_for(
     path: str | Path,
     capacity: int,
@@ -256,27 +296,16 @@ def budget_for(
 
     Plans on a lazily loaded model: no weight is read.
     """
-    directory = Path(path)
-    manifest = load_manifest(directory)
-    config = load_config(directory)
-    model = build_model(config)
-    _load_dense(model, directory, manifest, config)
-    compute = getattr(mx, resolve_dtype("auto", manifest.dtype))
-    cast_floating(model, compute)
-    plan = plan_memory(
-        manifest,
-        config,
-        _nbytes(model),
-        compute,
-        _process_bytes(),
-        context,
-        None,
-        capacity,
-        (options or RuntimeConfig()).spare_slot,
-        _ring_size(config, options or RuntimeConfig()),
+    plan = memory_plan(
+        path, options, memory_budget=None, cache_experts=capacity, context=context
     )
-    unreserved = plan.total - plan.reserve + RESERVE_BYTES
-    return math.ceil(1.01 * unreserved / (1 - RESERVE_FRACTION))
+    return _budget_holding(plan.total - plan.reserve, growth=0.01)
+
+
+def _budget_holding(unreserved: int, growth: float = 0.0) -> int:
+    """The smallest budget whose reserve and remainder hold `unreserved` bytes."""
+    need = (1 + growth) * (unreserved + RESERVE_BYTES)
+    return math.ceil(need / (1 - RESERVE_FRACTION))
 
 
 def _text_config(config: dict) -> dict:
@@ -387,7 +416,8 @@ def plan_memory(
     staging += slot if spare_slot else 0  # the spare zero slot of whole groups
     staging += ring * max(layer.record_nbytes for layer in manifest.layers)
     if cache_experts is None and budget is None:
-        budget = int(0.8 * _physical_memory())
+        fixed = process + dense + kv + act + staging
+        budget = default_budget(fixed + num_experts * slot, process)
     reserve = RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))
     plan = MemoryPlan(
         budget,
@@ -464,8 +494,30 @@ def _activation_bytes(config: dict, context: int, k: int) -> int:
     return 4 * (tokens * per_token + 2 * config.get("vocab_size", 0))
 
 
+def default_budget(need_all: int, process: int) -> int:
+    """The budget when none is given: what a slot for every expert needs
+    (`need_all` bytes, plus the reserve), when that fits in 80 % of the memory
+    this process may take now (its own plus what the system has available);
+    else that 80 %, and the slots get what is left."""
+    ceiling = int(0.8 * (process + _available_memory()))
+    return min(_budget_holding(need_all), ceiling)
+
+
 def _physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _available_memory() -> int:
+    """Memory the system can give now without swapping (Linux MemAvailable:
+    free plus reclaimable page cache); physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _physical_memory()
 
 
 def _process_bytes() -> int:
