@@ -14,6 +14,7 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,8 +31,9 @@ from ..runtime.config import RuntimeConfig
 from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
 from .replay import replay_all
 
-# In-domain text for code models, present wherever moestream is installed.
-PROMPT_SOURCE = Path(__file__).resolve().parents[1] / "runtime" / "switch.py"
+# A fixed prompt (in-domain for code models), packaged with moestream: the
+# benchmark's routing stays the same across commits.
+PROMPT_FILE = "prompt.txt"
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,9 @@ class Job:
 
 
 def prompt_ids(tokenizer: object, n: int) -> list[int]:
-    text = PROMPT_SOURCE.read_text()[: 8 * n + 64]  # ~4 characters per token
+    """`n` token ids of the bench prompt (repeated if it is shorter)."""
+    text = resources.files(__package__).joinpath(PROMPT_FILE).read_text()
+    text = text[: 8 * n + 64]  # ~4 characters per token
     ids = tokenizer.encode(text)  # type: ignore[attr-defined]
     return (ids * (n // max(len(ids), 1) + 1))[:n]
 

@@ -10,7 +10,7 @@ from .loader import (
     runtime_of,
     stats,
 )
-from .pool import RuntimeStats
+from .stats import RuntimeStats
 from .store import ExpertReadError
 
 __all__ = [

@@ -36,7 +36,7 @@ from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
 from ..units import human_bytes, parse_size
 from .config import RuntimeConfig
-from .pool import RuntimeStats
+from .stats import RuntimeStats
 from .store import ExpertStore, ReadAhead, check_layers
 from .switch import Outstanding, StreamingSwitchGLU
 
@@ -144,7 +144,7 @@ def load(
     log.info(plan.describe())
     if plan.budget is not None:
         _bound_allocators(plan)
-    stats = RuntimeStats(trace={} if cfg.record_trace else None)
+    stats = RuntimeStats(recording=cfg.record_trace)
     store = ExpertStore(directory, manifest, verify=cfg.verify)
     outstanding = Outstanding()
     streaming = {}

@@ -2,84 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
-
 import numpy as np
 
-
-@dataclass
-class RuntimeStats:
-    """Counters of one loaded model; read with `moestream.stats(model)`."""
-
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    bytes_read: int = 0
-    grouped_calls: int = 0
-    # Decode calls started on the resident slots before the routing was read
-    # (`speculate`), and those of them whose misses were computed afterwards.
-    early_calls: int = 0
-    late_calls: int = 0
-    # Decode calls of layers that hold every expert: no read, no host sync.
-    sync_free_calls: int = 0
-    # Prefetch: experts predicted for the next layer and not resident then.
-    prefetched: int = 0
-    prefetched_used: int = 0  # ... that the next layer routed to
-    prefetch_bytes: int = 0
-    misses_prefetched: int = 0  # misses whose record had been prefetched
-    per_layer_misses: dict[int, int] = field(default_factory=dict)
-    # Routed experts per MoE layer and call, when recording a trace (benchmarks);
-    # calls that never sync keep their (evaluated) mx.array: read with routing().
-    trace: dict[int, list] | None = None
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    @property
-    def prefetch_precision(self) -> float:
-        return self.prefetched_used / self.prefetched if self.prefetched else 0.0
-
-    @property
-    def prefetch_recall(self) -> float:
-        return self.misses_prefetched / self.misses if self.misses else 0.0
-
-    @property
-    def wasted_bytes(self) -> int:
-        per = self.prefetch_bytes / self.prefetched if self.prefetched else 0
-        return int((self.prefetched - self.prefetched_used) * per)
-
-    def routing(self) -> dict[int, np.ndarray]:
-        """The recorded trace: per MoE layer, one row of expert ids per token."""
-        return {
-            layer: np.concatenate([np.array(r).reshape(-1, r.shape[-1]) for r in rows])
-            for layer, rows in (self.trace or {}).items()
-        }
-
-    def reset(self) -> None:
-        for f in fields(self):
-            if f.name != "trace":
-                default = f.default_factory if f.default is MISSING else None
-                setattr(self, f.name, default() if default else f.default)
-        if self.trace is not None:
-            self.trace = {}
-
-    def as_dict(self) -> dict:
-        return {
-            "hits": self.hits,
-            "misses": self.misses,
-            "evictions": self.evictions,
-            "bytes_read": self.bytes_read,
-            "hit_rate": self.hit_rate,
-            "prefetched": self.prefetched,
-            "prefetch_precision": self.prefetch_precision,
-            "prefetch_recall": self.prefetch_recall,
-            "prefetch_wasted_bytes": self.wasted_bytes,
-            "early_calls": self.early_calls,
-            "late_calls": self.late_calls,
-            "sync_free_calls": self.sync_free_calls,
-        }
+from .stats import RuntimeStats  # noqa: F401  (its old home)
 
 
 class Policy:

@@ -31,7 +31,8 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..formats import ExpertLayer
 from .config import RuntimeConfig
-from .pool import RuntimeStats, SlotPool
+from .pool import SlotPool
+from .stats import RuntimeStats
 from .store import ExpertStore, ReadAhead, SlotFiller
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
@@ -109,6 +110,7 @@ class StreamingSwitchGLU(nn.Module):
         self._next: StreamingSwitchGLU | None = None
         self._predict: Callable[[mx.array], mx.array] | None = None
         self._prefetched: set[int] = set()
+        self._before: tuple = ()  # counters at the start of a call (its event)
         # prefetch_reads="threads": the reader ring, and records staged for us.
         self._ahead: ReadAhead | None = None
         self._staged: dict[int, tuple] = {}
@@ -165,10 +167,12 @@ class StreamingSwitchGLU(nn.Module):
         decode = indices.size <= self.capacity and indices.size < SORTED_CALL
         if decode and self._all_resident is not None:
             # Every expert is in a slot for good: nothing to read, no sync.
-            self._record(indices)
+            self._stats.record(self._layer.layer, indices, None, 0, [], 0)
             self._stats.hits += indices.size
             self._stats.sync_free_calls += 1
             return self._inner(x, self._all_resident[indices])
+        s = self._stats
+        self._before = (s.hits, s.misses, s.bytes_read, list(self._prefetched))
         predicted = self._predict(x) if self._predict is not None else None
         routing = [indices] if predicted is None else [indices, predicted]
         early = None
@@ -212,20 +216,20 @@ class StreamingSwitchGLU(nn.Module):
             self._outstanding.arrays.append(early)
         tokens = experts.size // experts.shape[-1]
         if unique.size > self.capacity:
-            return self._issue(self._grouped(x, experts, unique))
+            return self._issue(self._grouped(x, experts, unique), experts)
         if decode:
             clean = not missing.size
             self._clean = CLEAN_DECAY * self._clean + (1 - CLEAN_DECAY) * clean
         lut = self._load(unique, tokens)  # reads the misses
         if not missing.size:
-            return self._issue(early)
+            return self._issue(early, experts)
         self._stats.late_calls += 1
         if not split:  # whole calls: run it (again) on the full slot map
-            return self._issue(self._inner(x, mx.array(lut[experts])))
+            return self._issue(self._inner(x, mx.array(lut[experts])), experts)
         # Rows are computed alone here: only the misses' rows run now.
         late = np.flatnonzero(miss)
         parts.append((late, self._rows(x, experts, late, lut)))
-        return self._issue(_assemble(parts, experts.shape))
+        return self._issue(_assemble(parts, experts.shape), experts)
 
     def _rows(
         self, x: mx.array, experts: np.ndarray, pairs: np.ndarray, lut: np.ndarray
@@ -243,20 +247,23 @@ class StreamingSwitchGLU(nn.Module):
         read a slot from here on; hint the misses and the next layer's
         predicted experts to the kernel."""
         self._outstanding.settle()
-        self._record(experts)
         if missing.size:  # the kernel reads them in parallel while we copy
             self._store.willneed(self._layer.layer, missing.tolist())
         if predicted is not None:
             self._next.prefetch(np.unique(np.array(predicted)))  # type: ignore[union-attr]
 
-    def _record(self, routing: np.ndarray | mx.array) -> None:
-        """Keep the routed experts when recording a trace (read with
-        `RuntimeStats.routing()`; an mx.array is read once evaluated)."""
-        if self._stats.trace is not None:
-            self._stats.trace.setdefault(self._layer.layer, []).append(routing)
-
-    def _issue(self, y: mx.array) -> mx.array:
+    def _issue(self, y: mx.array, experts: np.ndarray) -> mx.array:
         """Hand `y` to MLX and keep it until the next sync evaluates it."""
+        s = self._stats
+        hits, misses, nbytes, prefetched = self._before
+        s.record(
+            self._layer.layer,
+            experts,
+            s.hits - hits,
+            s.misses - misses,
+            prefetched,
+            s.bytes_read - nbytes,
+        )
         self._prefetched.clear()
         self._staged = {}
         self._outstanding.arrays.append(y)

@@ -1,0 +1,126 @@
+"""The counters of one loaded model, and its per-call trace when recording."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class RuntimeStats:
+    """Counters of one loaded model; read with `moestream.stats(model)`."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    grouped_calls: int = 0
+    # Decode calls started on the resident slots before the routing was read
+    # (`speculate`), and those of them whose misses were computed afterwards.
+    early_calls: int = 0
+    late_calls: int = 0
+    # Decode calls of layers that hold every expert: no read, no host sync.
+    sync_free_calls: int = 0
+    # Prefetch: experts predicted for the next layer and not resident then.
+    prefetched: int = 0
+    prefetched_used: int = 0  # ... that the next layer routed to
+    prefetch_bytes: int = 0
+    misses_prefetched: int = 0  # misses whose record had been prefetched
+    per_layer_misses: dict[int, int] = field(default_factory=dict)
+    # With RuntimeConfig.record_trace: one event per MoE layer call (`events`).
+    recording: bool = False
+    _events: list[dict] = field(default_factory=list, repr=False)
+    _steps: dict[int, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def prefetch_precision(self) -> float:
+        return self.prefetched_used / self.prefetched if self.prefetched else 0.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        return self.misses_prefetched / self.misses if self.misses else 0.0
+
+    @property
+    def wasted_bytes(self) -> int:
+        per = self.prefetch_bytes / self.prefetched if self.prefetched else 0
+        return int((self.prefetched - self.prefetched_used) * per)
+
+    def record(
+        self,
+        layer: int,
+        experts: np.ndarray | mx.array,
+        hits: int | None,
+        misses: int,
+        prefetched: list[int],
+        bytes_read: int,
+    ) -> None:
+        """One MoE layer call, when recording. `experts` may be an unevaluated
+        mx.array (sync-free calls; `hits` None: every distinct expert hit):
+        it is read only when `events` is, so recording adds no host sync."""
+        if not self.recording:
+            return
+        step = self._steps.get(layer, 0)
+        self._steps[layer] = step + 1
+        self._events.append(
+            {
+                "layer": layer,
+                "step": step,  # this layer's call count since the last reset
+                "tokens": experts.size // experts.shape[-1],
+                "experts": experts,
+                "hits": hits,
+                "misses": misses,
+                "prefetched": sorted(prefetched),
+                "bytes_read": bytes_read,
+            }
+        )
+
+    @property
+    def events(self) -> list[dict]:
+        """One dict per MoE layer call since the last reset (empty unless
+        `record_trace`): layer, step, tokens, experts (routed, flattened),
+        hits and misses (distinct experts), prefetched (experts prefetched for
+        this layer before the call), bytes_read."""
+        for e in self._events:
+            if not isinstance(e["experts"], list):
+                flat = np.array(e["experts"]).reshape(-1)
+                e["experts"] = flat.tolist()
+                if e["hits"] is None:
+                    e["hits"] = len(np.unique(flat))
+        return self._events
+
+    def routing(self) -> dict[int, np.ndarray]:
+        """The recorded trace: per MoE layer, one row of expert ids per token."""
+        rows: dict[int, list[np.ndarray]] = {}
+        for e in self.events:
+            routed = np.array(e["experts"], np.int64).reshape(e["tokens"], -1)
+            rows.setdefault(e["layer"], []).append(routed)
+        return {layer: np.concatenate(r) for layer, r in rows.items()}
+
+    def reset(self) -> None:
+        for f in fields(self):
+            if f.name != "recording":
+                default = f.default_factory if f.default is MISSING else None
+                setattr(self, f.name, default() if default else f.default)
+
+    def as_dict(self) -> dict:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "bytes_read": self.bytes_read,
+            "hit_rate": self.hit_rate,
+            "prefetched": self.prefetched,
+            "prefetch_precision": self.prefetch_precision,
+            "prefetch_recall": self.prefetch_recall,
+            "prefetch_wasted_bytes": self.wasted_bytes,
+            "early_calls": self.early_calls,
+            "late_calls": self.late_calls,
+            "sync_free_calls": self.sync_free_calls,
+        }
