@@ -81,6 +81,7 @@ def evaluate(
         total=batches,
         desc="eval",
         unit="seq" if batch_size == 1 else "batch",
+        delay=1.0,
         disable=not progress,
     ):
         logits = model(batch[:, :-1]).astype(mx.float32)

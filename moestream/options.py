@@ -19,26 +19,39 @@ from typing import Any
 import click
 
 from . import __version__
-from .runtime.config import DTYPES, PREFETCH_READS, RuntimeConfig
-from .runtime.pool import POLICIES
 
-CHOICES = {
-    "dtype": DTYPES,
-    "policy": tuple(sorted(POLICIES)),
-    "prefetch_reads": PREFETCH_READS,
-}
 METAVARS = {"memory_budget": "SIZE"}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def _runtime() -> tuple[type, dict[str, tuple[str, ...]]]:
+    """RuntimeConfig and the choices of its fields (imported on use: the
+    converter's CLI shares `common_options` and never imports the runtime)."""
+    from .runtime.config import DTYPES, PREFETCH_READS, RuntimeConfig
+    from .runtime.pool import POLICIES
+
+    choices = {
+        "dtype": DTYPES,
+        "policy": tuple(sorted(POLICIES)),
+        "prefetch_reads": PREFETCH_READS,
+    }
+    return RuntimeConfig, choices
+
+
 def field_help(name: str) -> str:
     """The first sentence of `name`'s entry in RuntimeConfig's docstring."""
-    doc = RuntimeConfig.__doc__ or ""
+    doc = _runtime()[0].__doc__ or ""
     m = re.search(rf"^\s+{name}: (.*?)(?=^\s+\w+: |\Z)", doc, re.M | re.S)
     if m is None:
         raise KeyError(f"RuntimeConfig's docstring does not describe {name}")
     text = " ".join(m.group(1).split())
-    return re.split(r"(?<=[.;])\s", text, maxsplit=1)[0].rstrip(";.") + "."
+    depth = 0
+    for i, c in enumerate(text):  # the first "." or ";" outside parentheses
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and c in ".;" and text[i + 1 : i + 2] in ("", " "):
+            text = text[:i]
+            break
+    return text[:1].upper() + text[1:] + "."
 
 
 def _option(f: Any) -> Callable:
@@ -56,31 +69,39 @@ def _option(f: Any) -> Callable:
             default=None,
             help=f"{field_help(f.name)} [default: {shown}]",
         )
-    if f.name in CHOICES:
+    choices = _runtime()[1]
+    if f.name in choices:
         return click.option(
-            flag, f.name, type=click.Choice(CHOICES[f.name]), help=help_text
+            flag, f.name, type=click.Choice(choices[f.name]), help=help_text
         )
-    types = {"int": int, "int|None": int, "str": str, "int|str|None": str}
+    types = {
+        "int": int,
+        "int|None": int,
+        "float": float,
+        "float|None": float,
+        "str": str,
+        "int|str|None": str,
+    }
     if kind not in types:
         raise TypeError(f"No command-line type for RuntimeConfig.{f.name}: {f.type}")
     return click.option(
         flag,
         f.name,
         type=types[kind],
-        metavar=METAVARS.get(f.name, "N" if types[kind] is int else "TEXT"),
+        metavar=METAVARS.get(f.name, {int: "N", float: "X"}.get(types[kind], "TEXT")),
         help=help_text,
     )
 
 
 def engine_fields(exclude: tuple[str, ...] = ()) -> list[str]:
-    return [f.name for f in fields(RuntimeConfig) if f.name not in exclude]
+    return [f.name for f in fields(_runtime()[0]) if f.name not in exclude]
 
 
 def engine_options(exclude: tuple[str, ...] = ()) -> Callable:
     """Add one option per RuntimeConfig field (but `exclude`); the command gets
     them as one keyword `engine`: the fields given on the command line."""
     names = engine_fields(exclude)
-    options = [_option(f) for f in fields(RuntimeConfig) if f.name in names]
+    options = [_option(f) for f in fields(_runtime()[0]) if f.name in names]
 
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)

@@ -50,8 +50,9 @@ from .runtime.config import RuntimeConfig
 from .runtime.loader import MemoryPlan, dense_weights, memory_plan, resolve_dtype
 
 # Decode steps of the compute probe after one warm-up step, and its time cap.
-PROBE_TOKENS = 12
-PROBE_SECONDS = 3.0
+PROBE_TOKENS = 16
+PROBE_SECONDS = 2.0
+PROBE_ROUNDS = 2
 PROMPT_TOKENS = 16
 # Records read by each disk probe.
 DISK_RECORDS = 32
@@ -63,6 +64,7 @@ class Probe:
 
     token_s: float  # resident compute, no host sync (every expert in a slot)
     token_sync_s: float  # the same with one host sync per MoE layer
+    late_call_s: float  # one more expert call of one token, evaluated alone
     disk_qd1_gbps: float
     disk_parallel_gbps: float
     page_cache_gbps: float
@@ -71,6 +73,8 @@ class Probe:
 @dataclass(frozen=True)
 class Forecast:
     hit_rate: float  # uniform routing: slots / experts
+    misses_per_token: float
+    late_calls_per_token: float  # MoE layers per token with a miss
     bytes_per_token: float
     warm_tps: float
     cold_tps: float
@@ -88,17 +92,28 @@ def plan_dict(plan: MemoryPlan, cfg: RuntimeConfig) -> dict[str, Any]:
     return d
 
 
-def forecast(manifest: Manifest, config: dict, plan: MemoryPlan, probe: Probe):
-    """Decode tok/s at `plan`'s slots, from `probe`'s measurements."""
+def forecast(
+    manifest: Manifest, config: dict, plan: MemoryPlan, probe: Probe
+) -> Forecast:
+    """Decode tok/s at `plan`'s slots, from `probe`'s measurements.
+
+    Uniform routing: each of a token's k experts hits with probability
+    slots / experts, and a layer misses unless all k hit. A layer that misses
+    pays a second expert call for the missed rows and the reads of its misses.
+    """
     if plan.capacity >= plan.num_experts:
-        return Forecast(1.0, 0.0, 1 / probe.token_s, 1 / probe.token_s)
+        t = probe.token_s
+        return Forecast(1.0, 0.0, 0.0, 0.0, 1 / t, 1 / t)
     k = get_family(config).top_k(config)
+    layers = len(manifest.layers)
     hit = plan.capacity / plan.num_experts
+    misses = (1 - hit) * k * layers
+    late = (1 - hit**k) * layers
     record = statistics.mean(layer.record_nbytes for layer in manifest.layers)
-    missed = (1 - hit) * k * len(manifest.layers) * record
-    warm = probe.token_sync_s + missed / (probe.page_cache_gbps * 1e9)
-    cold = probe.token_sync_s + missed / (probe.disk_parallel_gbps * 1e9)
-    return Forecast(hit, missed, 1 / warm, 1 / cold)
+    fixed = probe.token_sync_s + late * probe.late_call_s
+    warm = fixed + misses * record / (probe.page_cache_gbps * 1e9)
+    cold = fixed + misses * record / (probe.disk_parallel_gbps * 1e9)
+    return Forecast(hit, misses, late, misses * record, 1 / warm, 1 / cold)
 
 
 def run_probe(path: str | Path, dtype: str = "auto") -> Probe:
@@ -107,24 +122,49 @@ def run_probe(path: str | Path, dtype: str = "auto") -> Probe:
     config = load_config(directory)
     model = probe_model(directory, manifest, config, dtype)
     vocab = {**config, **config.get("text_config", {})}["vocab_size"]
-    free = _decode_seconds(model, vocab)
-    for switch in model.modules():
-        if isinstance(switch, _TopK):
-            switch._sync = True
-    synced = _decode_seconds(model, vocab)
+    switches = [m for m in model.modules() if isinstance(m, _TopK)]
+    free, synced = [], []
+    for _ in range(PROBE_ROUNDS):  # interleaved: the machine's load drifts
+        for s in switches:
+            s._sync = False
+        free.append(_decode_seconds(model, vocab))
+        for s in switches:
+            s._sync = True
+        synced.append(_decode_seconds(model, vocab))
     disk = disk_bandwidth(directory, DISK_RECORDS)
     return Probe(
-        free, synced, disk["qd1"], disk["parallel"], page_cache_bandwidth(directory)
+        statistics.median(free),
+        statistics.median(synced),
+        _late_call_seconds(switches[0], config),
+        disk["qd1"],
+        disk["parallel"],
+        page_cache_bandwidth(directory),
     )
+
+
+def _late_call_seconds(switch: _TopK, config: dict) -> float:
+    """One token's expert call on its own, evaluated: what a layer with
+    misses adds for the missed rows."""
+    hidden = {**config, **config.get("text_config", {})}["hidden_size"]
+    x = mx.random.normal((1, 1, hidden)).astype(switch._dtype)
+    k = switch._k
+    slots = mx.arange(k).reshape(1, 1, k)
+    times = []
+    for _ in range(PROBE_TOKENS):
+        start = time.perf_counter()
+        mx.eval(switch._inner(x, slots))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 class _TopK(nn.Module):
     """A SwitchGLU holding only top-k random experts: each call computes all k
     (a real decode computes k experts), optionally after a host sync."""
 
-    def __init__(self, inner: nn.Module, k: int):
+    def __init__(self, inner: nn.Module, k: int, dtype: mx.Dtype):
         super().__init__()
         self._inner, self._k, self._sync = inner, k, False
+        self._dtype = dtype
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self._sync:
@@ -149,19 +189,27 @@ def probe_model(
     model.load_weights(list(weights.items()), strict=False)
     cast_floating(model, compute)
     flat = tree_flatten(model.parameters())
-    model.update(tree_unflatten([(n, _random_like(v)) for n, v in flat]))
+    model.update(tree_unflatten([(n, _random_like(n, v)) for n, v in flat]))
     mx.eval(model.parameters())
     for spath, switch in switch_modules(model).items():
-        replace_module(model, spath, _TopK(switch, k))
+        replace_module(model, spath, _TopK(switch, k, compute))
     return model.eval()
 
 
-def _random_like(v: mx.array) -> mx.array:
+def _random_like(name: str, v: mx.array) -> mx.array:
+    """Random values of `v`'s shape and dtype that keep activations in a
+    normal range (no overflow, no denormals: both slow a CPU down)."""
     if v.dtype == mx.uint32:
-        return mx.random.bits(v.shape)
-    if mx.issubdtype(v.dtype, mx.floating):
-        return (0.02 * mx.random.normal(v.shape)).astype(v.dtype)
-    return mx.zeros(v.shape, v.dtype)
+        return mx.random.randint(0, 1 << 30, v.shape).astype(mx.uint32)
+    if not mx.issubdtype(v.dtype, mx.floating):
+        return mx.zeros(v.shape, v.dtype)
+    if name.endswith(".scales"):
+        value = 0.002 + 0.01 * mx.abs(mx.random.normal(v.shape))
+    elif v.ndim == 1:  # norm weights, biases
+        value = mx.ones(v.shape)
+    else:
+        value = 0.02 * mx.random.normal(v.shape)
+    return value.astype(v.dtype)
 
 
 def _decode_seconds(model: nn.Module, vocab: int) -> float:
@@ -247,7 +295,8 @@ def format_plan(result: dict[str, Any]) -> str:
         lines += [
             "probe: compute "
             f"{1 / pr['token_s']:.1f} tok/s with every expert resident, "
-            f"{1 / pr['token_sync_s']:.1f} with a host sync per MoE layer; "
+            f"{1 / pr['token_sync_s']:.1f} with a host sync per MoE layer, "
+            f"{1e3 * pr['late_call_s']:.2f} ms per late expert call; "
             f"disk {pr['disk_qd1_gbps']:.2f} GB/s one read at a time, "
             f"{pr['disk_parallel_gbps']:.2f} in parallel, page cache "
             f"{pr['page_cache_gbps']:.2f} GB/s",
@@ -262,6 +311,8 @@ def format_plan(result: dict[str, Any]) -> str:
                 f"forecast: decode ~{fc['warm_tps']:.1f} tok/s warm, "
                 f"~{fc['cold_tps']:.1f} tok/s cold, at hit rate "
                 f"{fc['hit_rate']:.2f} (uniform routing; trained routing hits "
-                f"more), {fc['bytes_per_token'] / 1e6:.1f} MB read per token"
+                f"more): {fc['misses_per_token']:.1f} misses in "
+                f"{fc['late_calls_per_token']:.1f} layers, "
+                f"{fc['bytes_per_token'] / 1e6:.2f} MB read per token"
             )
     return "\n".join(lines)

@@ -124,6 +124,7 @@ def file_problems(
         desc="checksums",
         unit="B",
         unit_scale=True,
+        delay=1.0,  # only a step that takes more than a second shows a bar
         disable=not progress,
     )
     for name in names:

@@ -28,8 +28,6 @@ from ..units import peak_rss
 from .config import RuntimeConfig
 from .loader import load, runtime_of, stats
 
-# Prompts at least this long get a prefill progress bar.
-PREFILL_BAR_TOKENS = 512
 # mlx_lm.generate's default for --quantized-kv-start.
 QUANTIZED_KV_START = 5000
 
@@ -127,7 +125,7 @@ def generate(
         desc="prefill",
         unit="tok",
         leave=False,
-        disable=len(prompt) < PREFILL_BAR_TOKENS,
+        delay=1.0,  # only a prefill that takes more than a second shows a bar
     )
 
     def on_prefill(done: int, total: int) -> None:
@@ -311,10 +309,12 @@ def main(
     sampling = Sampling(**flags)
 
     def run() -> dict | None:
-        if seed is not None:
-            mx.random.seed(seed)
         if save_prompt_cache and not save_prompt_cache.endswith(".safetensors"):
             raise ValueError("--save-prompt-cache takes a name ending .safetensors.")
+        if sampling.kv_bits is not None and sampling.max_kv_size is not None:
+            raise ValueError(  # mlx-lm cannot quantize a rotating KV cache
+                "--kv-bits and --max-kv-size cannot be used together."
+            )
         if prompt_cache_file and draft_model:
             raise ValueError(
                 "--draft-model and --prompt-cache-file cannot be used together."
@@ -360,6 +360,8 @@ def main(
         on_text = None if as_json else lambda t: print(t, end="", flush=True)
         if verbose and not as_json:
             click.echo("=" * 10)
+        if seed is not None:  # here: building the model draws random numbers
+            mx.random.seed(seed)
         gen = generate(model, tok, ids, max_tokens, sampling, on_text, cache, draft)
         if trace_file:
             from ..trace import write_trace
@@ -378,8 +380,7 @@ def main(
     if verbose:
         click.echo("=" * 10)
         click.echo(
-            f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.3f} "
-            "tokens-per-sec"
+            f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.3f} tokens-per-sec"
         )
         click.echo(
             f"Generation: {s['generation_tokens']} tokens, "

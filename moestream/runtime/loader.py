@@ -169,9 +169,14 @@ def load(
                 layer._ahead = ahead
     mx.eval(model.parameters())
     all_fit = plan.capacity >= plan.num_experts
-    for layer in tqdm(
-        streaming.values(), "experts", unit="layer", disable=not (progress and all_fit)
-    ):
+    bar = tqdm(
+        streaming.values(),
+        "experts",
+        unit="layer",
+        delay=1.0,  # only a step that takes more than a second shows a bar
+        disable=not (progress and all_fit),
+    )
+    for layer in bar:
         layer.fill_if_all_fit()  # then decode never waits on the host
     stats.reset()
     model.eval()
