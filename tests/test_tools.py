@@ -322,9 +322,7 @@ def test_info_reports_bits_as_mlx_lm(converted: Path) -> None:
     ]
     assert info["expert_bits_per_weight"] == pytest.approx((14.5 + 16.5) / 6)
     text = invoke(cli, ["info", converted]).output
-    assert (
-        "layer 0: down_proj 6-bit g64" in text and "layer 2: down_proj 8-bit" in text
-    )
+    assert "layer 0: down_proj 6-bit g64" in text and "layer 2: down_proj 8-bit" in text
 
 
 def test_info_missing_dir_one_line(tmp_path: Path) -> None:

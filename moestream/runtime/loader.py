@@ -304,7 +304,8 @@ def budget_for(
     plan = memory_plan(
         path, options, memory_budget=None, cache_experts=capacity, context=context
     )
-    return _budget_holding(plan.total - plan.reserve, growth=0.01)
+    grown = max(0, _process_bytes() - plan.process)  # what planning left behind
+    return _budget_holding(plan.total - plan.reserve + grown, growth=0.01)
 
 
 def _budget_holding(unreserved: int, growth: float = 0.0) -> int:
