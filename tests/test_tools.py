@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -111,15 +111,22 @@ def test_version_on_every_command(args: list[str]) -> None:
     assert r.exit_code == 0 and moestream.__version__ in r.output
 
 
-def test_log_level_and_v_reach_logging(converted: Path) -> None:
-    exe = Path(sys.executable).parent / "run-moe"
-    base = [exe, converted, "-p", "x", "-m", "2", "--cache-experts", "3"]
-    for flags in (["-v"], ["--log-level", "info"]):
-        r = subprocess.run([*base, *flags], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-        assert "INFO moestream.runtime.loader: memory plan:" in r.stderr
-    r = subprocess.run(base, capture_output=True, text=True, timeout=120)
-    assert "memory plan" not in r.stderr
+@pytest.fixture
+def root_logger():
+    """Give back the root logger as it was (the CLIs configure it)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.parametrize("flags", [["-v"], ["--log-level", "info"], []])
+def test_log_level_and_v_reach_logging(converted: Path, flags, root_logger) -> None:
+    r = invoke(run_main, [converted, "-p", "x", "-m", 2, "--cache-experts", 3, *flags])
+    assert r.exit_code == 0, r.output
+    logged = "INFO moestream.runtime.loader: memory plan:" in r.output
+    assert logged == bool(flags)
 
 
 # ------------------------------------------------------------------ run-moe
