@@ -1,7 +1,5 @@
-"""moestream COMMAND: convert, run, bench, verify, info, plan, eval, plot.
-
-convert and run are also convert-moe and run-moe.
-"""
+"""moestream COMMAND: convert, run, bench, verify, serve, chat, info, plan, eval,
+plot (convert and run are also convert-moe and run-moe)."""
 
 from __future__ import annotations
 
@@ -10,11 +8,13 @@ import sys
 import click
 
 from .bench.cli import bench as bench_cmd
+from .chat import chat_cmd
 from .converter.cli import main as convert_cmd
 from .errors import user_errors
 from .formats.verify import verify
 from .options import CONTEXT, common_options
 from .runtime.cli import main as run_cmd
+from .serve import serve_cmd
 from .tools import eval_cmd, info_cmd, plan_cmd, plot_cmd
 from .units import human_bytes
 
@@ -52,6 +52,8 @@ main.add_command(convert_cmd, "convert")
 main.add_command(run_cmd, "run")
 main.add_command(bench_cmd, "bench")
 main.add_command(verify_cmd, "verify")
+main.add_command(serve_cmd, "serve")
+main.add_command(chat_cmd, "chat")
 # Know before you run, see what happens, quality (moestream/tools.py).
 main.add_command(info_cmd, "info")
 main.add_command(plan_cmd, "plan")

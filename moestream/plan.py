@@ -1,6 +1,6 @@
 """moestream plan OUT: the memory plan run-moe would use, and a decode forecast.
 
-The plan is `runtime.loader.memory_plan`, the code `load` plans with, on the
+The plan is `runtime.loader.plan_for`, the code `load` plans with, on the
 lazily built model: no weight is read. The forecast comes from two short
 probes of this machine:
 
@@ -47,7 +47,7 @@ from .families import (
 from .formats import BlobReader, Manifest, load_manifest
 from .formats.manifest import inside
 from .runtime.config import RuntimeConfig
-from .runtime.loader import MemoryPlan, dense_weights, memory_plan, resolve_dtype
+from .runtime.loader import MemoryPlan, dense_weights, plan_for, resolve_dtype
 
 # Decode steps of the compute probe after one warm-up step, and its time cap.
 PROBE_TOKENS = 16
@@ -87,7 +87,6 @@ def plan_dict(plan: MemoryPlan, cfg: RuntimeConfig) -> dict[str, Any]:
         total=plan.total,
         residency=plan.capacity / plan.num_experts,
         context=cfg.context,
-        concurrency=getattr(cfg, "concurrency", 1),
     )
     return d
 
@@ -251,7 +250,7 @@ def plan_and_forecast(
 ) -> dict[str, Any]:
     """`moestream plan`'s result: the plan, and the probe and forecast."""
     directory = Path(path)
-    plan = memory_plan(directory, cfg)
+    plan = plan_for(directory, cfg)
     out: dict[str, Any] = {"plan": plan_dict(plan, cfg)}
     if probe:
         manifest = load_manifest(directory)

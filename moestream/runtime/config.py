@@ -51,6 +51,10 @@ class RuntimeConfig:
         speculative call with misses is run again whole. Default: on a GPU,
         whose gather kernels choose their algorithm by the rows of a call.
     record_trace: keep every routed expert id in the stats (benchmarks).
+    concurrency: sequences decoded at once (a server's batch): the KV cache and
+        activations are sized for that many, and each layer needs at least
+        min(experts, concurrency x top-k) slots, as a batch's decode step routes
+        to up to that many experts.
     """
 
     memory_budget: int | str | None = None
@@ -65,8 +69,14 @@ class RuntimeConfig:
     speculate: bool = True
     whole_calls: bool | None = None
     record_trace: bool = False
+    concurrency: int = 1
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.concurrency, int) and self.concurrency >= 1):
+            raise ValueError(
+                f"concurrency must be a whole number of sequences, at least 1; "
+                f"got {self.concurrency!r}."
+            )
         if self.dtype not in DTYPES:
             raise ValueError(
                 f"Unknown dtype {self.dtype}; use one of {', '.join(DTYPES)}."

@@ -71,6 +71,7 @@ class MemoryPlan:
     slot_bytes: int  # one slot in every MoE layer
     capacity: int
     num_experts: int
+    concurrency: int = 1  # sequences the KV cache and activations are sized for
 
     @property
     def pools(self) -> int:
@@ -83,9 +84,10 @@ class MemoryPlan:
 
     def describe(self) -> str:
         h = human_bytes
+        seqs = f" ({self.concurrency} sequences)" if self.concurrency > 1 else ""
         return (
             f"memory plan: process {h(self.process)} + dense {h(self.dense)} + KV "
-            f"{h(self.kv_cache)} + activations {h(self.activations)} + staging "
+            f"{h(self.kv_cache)}{seqs} + activations {h(self.activations)} + staging "
             f"{h(self.staging)} + reserve {h(self.reserve)} + experts "
             f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer) = "
             f"{h(self.total)}" + (f" of {h(self.budget)}" if self.budget else "")
@@ -109,6 +111,7 @@ def load(
     path: str | Path,
     config: RuntimeConfig | None = None,
     tokenizer: TokenizerWrapper | None = None,
+    tokenizer_config: dict | None = None,
     progress: bool = False,
     **options: object,
 ) -> tuple[nn.Module, TokenizerWrapper]:
@@ -117,6 +120,8 @@ def load(
     config: the runtime options (`RuntimeConfig`); keyword `options` override
         its fields, e.g. `load(out, memory_budget="8G", prefetch=False)`.
     tokenizer: reuse one already loaded from `path` (its memory counts as process).
+    tokenizer_config: extra options for the tokenizer, as `mlx_lm.load` takes
+        them, e.g. {"chat_template": "..."} (ignored with `tokenizer`).
     progress: progress bars (stderr) for the file checksums and for reading
         every expert when all fit.
     """
@@ -130,7 +135,7 @@ def load(
     if tokenizer is None:
         tokenizer = load_tokenizer(
             directory,
-            {"trust_remote_code": False},  # reliability: never run a model's code
+            _tokenizer_options(tokenizer_config),
             eos_token_ids=model_config.get("eos_token_id"),
         )
     process = _process_bytes()
@@ -140,7 +145,7 @@ def load(
     _load_dense(model, directory, manifest, model_config)
     _check_expert_shapes(switches, layers)
     cast_floating(model, compute)
-    plan = _plan(manifest, model_config, model, compute, process, cfg)
+    plan = _plan_model(manifest, model_config, model, compute, process, cfg)
     log.info(plan.describe())
     if plan.budget is not None:
         _bound_allocators(plan)
@@ -182,6 +187,39 @@ def load(
     model.eval()
     model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
     return model, tokenizer
+
+
+def _tokenizer_options(extra: dict | None) -> dict:
+    if (extra or {}).get("trust_remote_code"):
+        raise ValueError(
+            "moestream never runs a model's own code: drop trust_remote_code "
+            "from the tokenizer options."
+        )
+    return {**(extra or {}), "trust_remote_code": False}
+
+
+def _plan_model(
+    manifest: Manifest,
+    config: dict,
+    model: nn.Module,
+    compute: mx.Dtype,
+    process: int,
+    cfg: RuntimeConfig,
+) -> MemoryPlan:
+    budget = cfg.memory_budget
+    return plan_memory(
+        manifest,
+        config,
+        _nbytes(model),
+        compute,
+        process,
+        cfg.context,
+        parse_size(budget) if budget is not None else None,
+        cfg.cache_experts,
+        cfg.spare_slot,
+        _ring_size(config, cfg),
+        cfg.concurrency,
+    )
 
 
 def _check_expert_shapes(
@@ -245,51 +283,6 @@ def router_predictor(block: nn.Module, k: int) -> Callable | None:
     return predict
 
 
-def memory_plan(
-    path: str | Path, config: RuntimeConfig | None = None, **options: object
-) -> MemoryPlan:
-    """The memory plan `load(path, config, **options)` makes, without reading
-    any weight: the model is built lazily and its dense tensors are mapped,
-    never evaluated. The process is measured now (load the tokenizer first to
-    count it, as `load` does)."""
-    cfg = replace(config or RuntimeConfig(), **options)
-    directory = Path(path)
-    manifest = load_manifest(directory)
-    config_dict = load_config(directory)
-    compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
-    process = _process_bytes()
-    model = build_model(config_dict)
-    switches = switch_modules(model)
-    layers = check_layers(manifest, switches)
-    _load_dense(model, directory, manifest, config_dict)
-    _check_expert_shapes(switches, layers)
-    cast_floating(model, compute)
-    return _plan(manifest, config_dict, model, compute, process, cfg)
-
-
-def _plan(
-    manifest: Manifest,
-    config: dict,
-    model: nn.Module,
-    compute: mx.Dtype,
-    process: int,
-    cfg: RuntimeConfig,
-) -> MemoryPlan:
-    budget = cfg.memory_budget
-    return plan_memory(
-        manifest,
-        config,
-        _nbytes(model),
-        compute,
-        process,
-        cfg.context,
-        parse_size(budget) if budget is not None else None,
-        cfg.cache_experts,
-        cfg.spare_slot,
-        _ring_size(config, cfg),
-    )
-
-
 def budget_for(
     path: str | Path,
     capacity: int,
@@ -301,17 +294,39 @@ def budget_for(
 
     Plans on a lazily loaded model: no weight is read.
     """
-    plan = memory_plan(
-        path, options, memory_budget=None, cache_experts=capacity, context=context
+    cfg = replace(
+        options or RuntimeConfig(),
+        memory_budget=None,
+        cache_experts=capacity,
+        context=context,
     )
-    grown = max(0, _process_bytes() - plan.process)  # what planning left behind
-    return _budget_holding(plan.total - plan.reserve + grown, growth=0.01)
+    plan = plan_for(path, cfg)
+    return _budget_holding(plan.total - plan.reserve, growth=0.01)
 
 
 def _budget_holding(unreserved: int, growth: float = 0.0) -> int:
     """The smallest budget whose reserve and remainder hold `unreserved` bytes."""
     need = (1 + growth) * (unreserved + RESERVE_BYTES)
     return math.ceil(need / (1 - RESERVE_FRACTION))
+
+
+def plan_for(path: str | Path, config: RuntimeConfig | None = None) -> MemoryPlan:
+    """The memory plan `load(path, config)` would make, without reading a weight.
+
+    Raises BudgetError as `load` would.
+    """
+    cfg = config or RuntimeConfig()
+    directory = Path(path)
+    manifest = load_manifest(directory)
+    model_config = load_config(directory)
+    model = build_model(model_config)
+    switches = switch_modules(model)
+    layers = check_layers(manifest, switches)
+    _load_dense(model, directory, manifest, model_config)
+    _check_expert_shapes(switches, layers)  # before sizing memory from the manifest
+    compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
+    cast_floating(model, compute)
+    return _plan_model(manifest, model_config, model, compute, _process_bytes(), cfg)
 
 
 def _text_config(config: dict) -> dict:
@@ -411,13 +426,17 @@ def plan_memory(
     cache_experts: int | None,
     spare_slot: bool = False,
     ring: int = 0,
+    concurrency: int = 1,
 ) -> MemoryPlan:
+    """Split `budget`; `concurrency` sequences decode at once, and each layer
+    needs a slot for every expert one step of theirs can route to."""
     top_k = get_family(config).top_k(config)
     config = _text_config(config)
     num_experts = max(layer.num_experts for layer in manifest.layers)
+    least = min(num_experts, concurrency * top_k)
     slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
-    kv = _kv_bytes(config, context, compute)
-    act = _activation_bytes(config, context, top_k)
+    kv = concurrency * _kv_bytes(config, context, compute)
+    act = concurrency * _activation_bytes(config, context, top_k)
     staging = max(layer.record_nbytes for layer in manifest.layers)
     staging += slot if spare_slot else 0  # the spare zero slot of whole groups
     staging += ring * max(layer.record_nbytes for layer in manifest.layers)
@@ -436,6 +455,7 @@ def plan_memory(
         slot,
         num_experts,
         num_experts,
+        concurrency,
     )
     if cache_experts is not None:
         if not cache_experts >= 1:
@@ -443,6 +463,12 @@ def plan_memory(
                 f"--cache-experts must be at least 1, got {cache_experts}."
             )
         capacity = min(cache_experts, num_experts)
+        if concurrency > 1 and capacity < least:
+            raise BudgetError(
+                f"{concurrency} sequences decoded at once route to up to {least} "
+                f"experts per layer, more than {capacity} slots; give "
+                f"--cache-experts {least} or more, or decode fewer at once."
+            )
         need = plan.total - plan.pools + capacity * slot
         if budget is not None and need > budget:
             raise BudgetError(
@@ -453,17 +479,16 @@ def plan_memory(
     else:
         free = budget - (plan.total - plan.pools)
         capacity = min(num_experts, max(free, 0) // max(slot, 1))
-        if capacity < top_k:
+        if capacity < least:
             fixed = plan.total - plan.pools
+            seqs = f" for {concurrency} sequences" if concurrency > 1 else ""
             raise BudgetError(
                 f"Memory budget {human_bytes(budget)} is too small: process, dense "
-                f"weights, KV cache and activations need {human_bytes(fixed)}, and "
-                f"{top_k} expert slots per layer {human_bytes(top_k * slot)}; give "
-                f"--memory-budget {human_bytes(fixed + top_k * slot, up=True)} or more."
+                f"weights, KV cache and activations{seqs} need {human_bytes(fixed)}, "
+                f"and {least} expert slots per layer {human_bytes(least * slot)}; give "
+                f"--memory-budget {human_bytes(fixed + least * slot, up=True)} or more."
             )
-    return MemoryPlan(
-        budget, process, dense, kv, act, staging, reserve, slot, capacity, num_experts
-    )
+    return replace(plan, capacity=capacity)
 
 
 def _slot_nbytes(layer: ExpertLayer, compute: mx.Dtype) -> int:
