@@ -32,10 +32,24 @@ def info_cmd(model_dir: str, as_json: bool) -> None:
 @click.option(
     "--no-forecast", is_flag=True, help="Only the plan: skip the speed probes."
 )
+@click.option(
+    "--hit-rate",
+    "hit_rates",
+    multiple=True,
+    type=click.FloatRange(0, 1),
+    help="Forecast at this hit rate (repeatable; default: the uniform-routing "
+    "one and 0.5-0.95), e.g. one a previous run's --stats reported.",
+)
 @JSON
 @engine_options(exclude=("record_trace",))
 @common_options
-def plan_cmd(model_dir: str, no_forecast: bool, as_json: bool, engine: dict) -> None:
+def plan_cmd(
+    model_dir: str,
+    no_forecast: bool,
+    hit_rates: tuple[float, ...],
+    as_json: bool,
+    engine: dict,
+) -> None:
     """The memory plan run-moe would use for OUT, without loading weights, and
     a decode speed forecast from short probes of this disk and machine."""
     from .plan import format_plan, plan_and_forecast
@@ -53,7 +67,8 @@ def plan_cmd(model_dir: str, no_forecast: bool, as_json: bool, engine: dict) -> 
             {"trust_remote_code": False},
             eos_token_ids=config.get("eos_token_id"),
         )
-        return plan_and_forecast(model_dir, RuntimeConfig(**engine), not no_forecast)
+        cfg = RuntimeConfig(**engine)
+        return plan_and_forecast(model_dir, cfg, not no_forecast, hit_rates)
 
     result = user_errors(run)
     click.echo(json.dumps(result, indent=1) if as_json else format_plan(result))

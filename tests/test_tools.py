@@ -340,7 +340,15 @@ def test_info_missing_dir_one_line(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ plan
 
 
-PLAN_FIELDS = ("dense", "kv_cache", "activations", "staging", "slot_bytes", "capacity")
+PLAN_FIELDS = (
+    "dense",
+    "kv_cache",
+    "activations",
+    "staging",
+    "slot_bytes",
+    "capacity",
+    "concurrency",
+)
 
 
 @pytest.mark.parametrize(
@@ -351,6 +359,10 @@ PLAN_FIELDS = ("dense", "kv_cache", "activations", "staging", "slot_bytes", "cap
         (
             ["--cache-experts", "5", "--prefetch-reads", "threads", "--context", "300"],
             {"cache_experts": 5, "prefetch_reads": "threads", "context": 300},
+        ),
+        (
+            ["--concurrency", "3", "--cache-experts", "6"],
+            {"concurrency": 3, "cache_experts": 6},
         ),
     ],
 )
@@ -385,12 +397,21 @@ def test_plan_forecast_from_probes(converted: Path) -> None:
     r = invoke(cli, ["plan", converted, "--cache-experts", 4, "--json"])
     assert r.exit_code == 0, r.output
     result = json.loads(r.output)
-    probe, fc = result["probe"], result["forecast"]
-    assert probe["token_s"] > 0 and probe["disk_parallel_gbps"] > 0
-    assert fc["hit_rate"] == 0.5 and fc["bytes_per_token"] > 0
-    assert 0 < fc["cold_tps"] <= fc["warm_tps"] < 1 / probe["token_sync_s"]
-    text = invoke(cli, ["plan", converted, "--cache-experts", 4]).output
-    assert "forecast: decode ~" in text and "4 of 8 per layer (50 % resident)" in text
+    probe, rows = result["probe"], result["forecast"]
+    assert probe["token_s"] > 0 and probe["miss_s"] >= 0
+    assert probe["disk_parallel_gbps"] > 0 and probe["page_cache_gbps"] > 0
+    assert [f["hit_rate"] for f in rows] == [0.5, 0.75, 0.9, 0.95]
+    for f in rows:  # 2 MoE layers, top-2
+        assert f["misses_per_token"] == pytest.approx((1 - f["hit_rate"]) * 2 * 2)
+        assert 0 < f["cold_tps"] <= f["warm_tps"] <= 1 / probe["token_s"]
+    assert rows[0]["warm_tps"] < rows[-1]["warm_tps"]
+    r = invoke(cli, ["plan", converted, "--cache-experts", 4, "--hit-rate", 0.8])
+    assert "4 of 8 per layer (50 % resident)" in r.output
+    table = r.output[r.output.index("hit rate  misses") :].splitlines()[1:]
+    assert [line.split()[0] for line in table] == ["0.500", "0.800"]
+    full = invoke(cli, ["plan", converted, "--json"])
+    (row,) = json.loads(full.output)["forecast"]
+    assert row["hit_rate"] == 1.0 and row["bytes_per_token"] == 0
 
 
 # ------------------------------------------------------------------ eval
