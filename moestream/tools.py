@@ -98,7 +98,7 @@ def plan_cmd(
     "KL divergence of the next-token distributions. It must fit in memory.",
 )
 @JSON
-@engine_options(exclude=("record_trace", "context"))
+@engine_options(exclude=("record_trace", "context", "concurrency"))
 @common_options
 def eval_cmd(
     model_dir: str,

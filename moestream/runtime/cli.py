@@ -286,7 +286,7 @@ def save_cache(
     is_flag=True,
     help="Print one JSON object (text, tokens, stats) instead.",
 )
-@engine_options(exclude=("record_trace", "context"))
+@engine_options(exclude=("record_trace", "context", "concurrency"))
 @common_options
 def main(
     model_dir: str,
