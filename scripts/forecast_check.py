@@ -90,7 +90,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for s, runs in rows.items():
 
-        def med(fn):
+        def med(fn, runs=runs):
             return statistics.median(fn(x) for x in runs)
 
         hit = med(lambda x: x["measured"]["hit_rate"])
