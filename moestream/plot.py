@@ -147,12 +147,15 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
     labels = [f"{r['row']}\n{r['mode']}" for r in rows]
     x = np.arange(len(rows))
     fig, axes = plt.subplots(2, 1, figsize=(max(6, 1.3 * len(rows) + 2), 8))
-    w = 0.38
-    for i, (key, label) in enumerate(
-        (("decode_ratio", "decode"), ("prefill_ratio", "prefill"))
-    ):
-        values = [r.get(key, np.nan) for r in rows]
-        bars = axes[0].bar(x + (i - 0.5) * w, values, w, label=label)
+    series = [
+        (label, values)
+        for key, label in (("decode_ratio", "decode"), ("prefill_ratio", "prefill"))
+        if np.isfinite(values := np.array([r.get(key, np.nan) for r in rows])).any()
+    ]  # a bench without prefill runs has no prefill ratios
+    w = 0.8 / len(series)
+    for i, (label, values) in enumerate(series):
+        offset = (i - (len(series) - 1) / 2) * w
+        bars = axes[0].bar(x + offset, values, w, label=label)
         axes[0].bar_label(bars, fmt="%.2f", fontsize=8)
     axes[0].axhline(1.0, color="gray", lw=0.8)
     axes[0].set(ylabel="x resident (tok/s)", title="speed vs mlx-lm fully resident")
@@ -164,13 +167,19 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
     ):
         values = [r.get(key, np.nan) for r in rows]
         axes[1].bar(x + (i - 1) * w, values, w, label=label)
-    axes[1].set(ylabel="hit rate", ylim=(0, 1.05), title="expert hit rate")
+    axes[1].set(
+        ylabel="hit rate",
+        ylim=(0, 1.05),
+        title="expert hit rate (replays: the decode trace, from empty caches)",
+    )
     axes[1].set_xticks(x, labels)
     axes[1].legend(loc="lower left")
     d = result["disk_gbps"]
+    resident = result["rows"][0]
     fig.suptitle(
-        f"{Path(result['config']['out']).name}: disk {d['qd1']:.2f} GB/s one read "
-        f"at a time, {d['parallel']:.2f} GB/s in parallel"
+        f"{Path(result['config']['out']).name}: resident {resident['decode_tps']:.2f}"
+        f" tok/s; disk {d['qd1']:.2f} GB/s one read at a time, "
+        f"{d['parallel']:.2f} GB/s in parallel"
     )
     fig.tight_layout()
     save(fig, path)
