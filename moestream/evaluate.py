@@ -47,7 +47,8 @@ def sequences(
     """`text`'s tokens as (N, context) rows, the remainder dropped (as mlx_lm)."""
     if context < 2:
         raise ValueError(f"--context must be at least 2 tokens, got {context}.")
-    ids = tokenizer.encode(text)  # type: ignore[attr-defined]
+    # verbose=False: a whole file is meant to be longer than the model's context
+    ids = tokenizer.encode(text, verbose=False)  # type: ignore[attr-defined]
     n = len(ids) // context
     if limit is not None:
         n = min(n, limit)

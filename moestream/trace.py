@@ -82,12 +82,12 @@ def write_trace(model: nn.Module, path: str | Path) -> int:
 
 def read_trace(path: str | Path) -> Trace:
     """Read and check a trace file; ValueError names what is wrong."""
-    lines = Path(path).read_text().splitlines()
     try:
+        lines = Path(path).read_text().splitlines()
         meta = json.loads(lines[0]) if lines else {}
         events = [json.loads(line) for line in lines[1:] if line.strip()]
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not a moestream trace: {e}.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a moestream trace ({e}).") from None
     if not isinstance(meta, dict) or meta.get("moestream_trace") != TRACE_VERSION:
         raise ValueError(
             f"{path} is not a moestream trace (version {TRACE_VERSION}); write one "

@@ -161,6 +161,8 @@ def load_draft(path: str, tokenizer: TokenizerWrapper) -> nn.Module:
     an mlx-lm model (path or hub id), whose vocabulary must be the model's."""
     if (Path(path) / "manifest.json").is_file():
         draft, draft_tok = load(path)
+    elif path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+        raise ValueError(f"--draft-model {path} is not a directory.")
     else:
         from mlx_lm.utils import load as mlx_load
 
