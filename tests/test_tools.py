@@ -224,6 +224,10 @@ def test_draft_model_keeps_greedy_output(converted: Path, reference) -> None:
     assert drafted["tokens"] == plain["tokens"]
     tok = load_tokenizer(converted)
     assert plain["tokens"] == resident_tokens(reference, tok.encode("def add"), 10)
+    r = CliRunner().invoke(
+        run_main, [str(converted), "-p", "x", "--draft-model", "./no/such/draft"]
+    )
+    assert r.exit_code == 2 and "is not a directory" in r.output
 
 
 def test_verbose_prints_as_mlx_lm(converted: Path) -> None:
@@ -294,6 +298,9 @@ def test_plot_refuses_a_non_trace_and_missing_matplotlib(
 ) -> None:
     bad = tmp_path / "x.jsonl"
     bad.write_text('{"a": 1}\n')
+    r = CliRunner().invoke(cli, ["plot", str(bad), "-o", str(tmp_path / "f.png")])
+    assert r.exit_code == 2 and "not a moestream trace" in r.output
+    bad.write_bytes(b"\x89PNG\r\n")
     r = CliRunner().invoke(cli, ["plot", str(bad), "-o", str(tmp_path / "f.png")])
     assert r.exit_code == 2 and "not a moestream trace" in r.output
     monkeypatch.setitem(sys.modules, "matplotlib", None)
