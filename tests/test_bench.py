@@ -98,7 +98,8 @@ def test_capacity_for_budget_rows():
     assert capacity_for(100, 64, 8) == 64
 
 
-def test_bench_cli_prints_ratio_table(synthetic):
+def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
+    figure = tmp_path / "bench.png"
     r = CliRunner().invoke(
         moestream_cli,
         [
@@ -115,9 +116,12 @@ def test_bench_cli_prints_ratio_table(synthetic):
             "--compare",
             "prefetch=false,policy=lru",
             "--json",
+            "--plot",
+            str(figure),
         ],
     )
     assert r.exit_code == 0, r.output
+    assert figure.read_bytes()[:4] == b"\x89PNG"
     result = json.loads(r.stdout[r.stdout.index("{") :])
     rows = {(x["row"], x["mode"]): x for x in result["rows"]}
     assert set(rows) == {

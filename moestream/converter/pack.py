@@ -306,21 +306,29 @@ def _convert_into(
     entries = list(done.values())
     # Finished layers' experts stay lazy, never read: only their dense part is redone.
     skip = tuple(f"{p}." for p, layer in switches.items() if layer in done)
-    for i, names in enumerate(
-        tqdm(units, desc="layers", unit="layer", disable=not progress)
-    ):
-        if i + 1 < len(units):
-            src.prefetch(units[i + 1])
-        weights = _prepare(src, family, model, layout, names, getattr(mx, dtype), lent)
-        out = _quantize_unit(weights, modules, predicate, quantization, layout, skip)
-        del weights
-        mx.eval(out)
-        for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
-            experts = _pop_prefixed(out, spath)
-            if experts:
-                entries.append(_write_layer(tmp, spath, layer, experts, quantization))
-                journal.record(entries[-1])
-        dense.add(out)
+    with tqdm(
+        total=len(switches), initial=len(done), desc="MoE layers", disable=not progress
+    ) as bar:
+        for i, names in enumerate(units):
+            if i + 1 < len(units):
+                src.prefetch(units[i + 1])
+            weights = _prepare(
+                src, family, model, layout, names, getattr(mx, dtype), lent
+            )
+            out = _quantize_unit(
+                weights, modules, predicate, quantization, layout, skip
+            )
+            del weights
+            mx.eval(out)
+            for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
+                experts = _pop_prefixed(out, spath)
+                if experts:
+                    entries.append(
+                        _write_layer(tmp, spath, layer, experts, quantization)
+                    )
+                    journal.record(entries[-1])
+                    bar.update()
+            dense.add(out)
     dense_files = dense.close()
     _write_config(tmp, src.config, quantization)
     for f in src.tokenizer_files():

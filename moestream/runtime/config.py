@@ -23,7 +23,9 @@ class RuntimeConfig:
     """How a converted model runs.
 
     memory_budget: bytes (or "8G") for the whole process: dense weights, expert
-        slots, KV cache and activations for `context` tokens. Default: 80 % of RAM.
+        slots, KV cache and activations for `context` tokens. Default: what a
+        slot for every expert needs, if that fits in 80 % of the memory
+        available at load (free plus reclaimable); else that 80 %.
         Under a budget, MLX's cache of freed buffers and glibc's mmap
         threshold are bounded so freed memory does not pile up (process-wide).
     cache_experts: resident expert slots per MoE layer, instead of as many as

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_config, load_tokenizer
+from tqdm import tqdm
 
 from ..families import (
     build_model,
@@ -108,6 +109,7 @@ def load(
     config: RuntimeConfig | None = None,
     tokenizer: TokenizerWrapper | None = None,
     tokenizer_config: dict | None = None,
+    progress: bool = False,
     **options: object,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a converted model for `mlx_lm.generate` / `mlx_lm.stream_generate`.
@@ -117,12 +119,14 @@ def load(
     tokenizer: reuse one already loaded from `path` (its memory counts as process).
     tokenizer_config: extra options for the tokenizer, as `mlx_lm.load` takes
         them, e.g. {"chat_template": "..."} (ignored with `tokenizer`).
+    progress: progress bars (stderr) for the file checksums and for reading
+        every expert when all fit.
     """
     cfg = replace(config or RuntimeConfig(), **options)  # validates the options
     directory = Path(path)
     manifest = load_manifest(directory)
     if cfg.verify:  # dense, config and tokenizer files, before any is used
-        check_files(directory, manifest)
+        check_files(directory, manifest, progress=progress)
     compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     model_config = load_config(directory)
     if tokenizer is None:
@@ -161,7 +165,15 @@ def load(
     if cfg.prefetch:
         chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
     mx.eval(model.parameters())
-    for layer in streaming.values():
+    all_fit = plan.capacity >= plan.num_experts
+    bar = tqdm(
+        streaming.values(),
+        "experts",
+        unit="layer",
+        delay=1.0,  # only a step that takes more than a second shows a bar
+        disable=not (progress and all_fit),
+    )
+    for layer in bar:
         layer.fill_if_all_fit()  # then decode never waits on the host
     stats.reset()
     model.eval()
@@ -237,8 +249,13 @@ def budget_for(
         context=context,
     )
     plan = plan_for(path, cfg)
-    unreserved = plan.total - plan.reserve + RESERVE_BYTES
-    return math.ceil(1.01 * unreserved / (1 - RESERVE_FRACTION))
+    return _budget_holding(plan.total - plan.reserve, growth=0.01)
+
+
+def _budget_holding(unreserved: int, growth: float = 0.0) -> int:
+    """The smallest budget whose reserve and remainder hold `unreserved` bytes."""
+    need = (1 + growth) * (unreserved + RESERVE_BYTES)
+    return math.ceil(need / (1 - RESERVE_FRACTION))
 
 
 def plan_for(path: str | Path, config: RuntimeConfig | None = None) -> MemoryPlan:
@@ -251,7 +268,10 @@ def plan_for(path: str | Path, config: RuntimeConfig | None = None) -> MemoryPla
     manifest = load_manifest(directory)
     model_config = load_config(directory)
     model = build_model(model_config)
+    switches = switch_modules(model)
+    layers = check_layers(manifest, switches)
     _load_dense(model, directory, manifest, model_config)
+    _check_expert_shapes(switches, layers)  # before sizing memory from the manifest
     compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     cast_floating(model, compute)
     return _plan_model(manifest, model_config, model, compute, _process_bytes(), cfg)
@@ -367,7 +387,8 @@ def plan_memory(
     staging = max(layer.record_nbytes for layer in manifest.layers)
     staging += slot if spare_slot else 0  # the spare zero slot of whole groups
     if cache_experts is None and budget is None:
-        budget = int(0.8 * _physical_memory())
+        fixed = process + dense + kv + act + staging
+        budget = default_budget(fixed + num_experts * slot, process)
     reserve = RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))
     plan = MemoryPlan(
         budget,
@@ -450,8 +471,30 @@ def _activation_bytes(config: dict, context: int, k: int) -> int:
     return 4 * (tokens * per_token + 2 * config.get("vocab_size", 0))
 
 
+def default_budget(need_all: int, process: int) -> int:
+    """The budget when none is given: what a slot for every expert needs
+    (`need_all` bytes, plus the reserve), when that fits in 80 % of the memory
+    this process may take now (its own plus what the system has available);
+    else that 80 %, and the slots get what is left."""
+    ceiling = int(0.8 * (process + _available_memory()))
+    return min(_budget_holding(need_all), ceiling)
+
+
 def _physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _available_memory() -> int:
+    """Memory the system can give now without swapping (Linux MemAvailable:
+    free plus reclaimable page cache); physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _physical_memory()
 
 
 def _process_bytes() -> int:
