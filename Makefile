@@ -14,7 +14,7 @@ PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 # The native engine is compiled against the venv's own MLX (no build isolation).
 $(STAMP): pyproject.toml $(NATIVE)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) "setuptools>=68" "nanobind==3.1.0" "cmake>=3.25" "mlx[cpu]>=0.31,<0.40"
+	$(PIP) "setuptools>=77" "nanobind==3.1.0" "cmake>=3.25" "mlx[cpu]>=0.31,<0.40"
 	$(PIP) --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 
