@@ -27,13 +27,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def _runtime() -> tuple[type, dict[str, tuple[str, ...]]]:
     """RuntimeConfig and the choices of its fields (imported on use: the
     converter's CLI shares `common_options` and never imports the runtime)."""
-    from .runtime.config import DTYPES, PREFETCH_READS, RuntimeConfig
+    from .runtime.config import DTYPES, ENGINES, RuntimeConfig
     from .runtime.pool import POLICIES
 
     choices = {
         "dtype": DTYPES,
         "policy": tuple(sorted(POLICIES)),
-        "prefetch_reads": PREFETCH_READS,
+        "engine": ENGINES,
     }
     return RuntimeConfig, choices
 

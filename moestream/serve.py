@@ -39,7 +39,7 @@ from mlx_lm.utils import load_config
 from .errors import user_errors
 from .families import get_family
 from .runtime import BudgetError, RuntimeConfig, load, runtime_of, stats
-from .runtime.config import DEFAULT_CONTEXT, DTYPES
+from .runtime.config import DEFAULT_CONTEXT, DTYPES, ENGINES
 from .runtime.loader import PREFILL_STEP, MemoryPlan, budget_for, plan_for
 from .runtime.pool import POLICIES
 from .units import human_bytes, parse_size, peak_rss
@@ -765,9 +765,11 @@ def runtime_options(fn):
                 help="Do not predict and pre-read the next layer's experts.",
             ),
             click.option(
-                "--no-speculate",
-                is_flag=True,
-                help="Never start a layer's experts before its routing is read.",
+                "--engine",
+                type=click.Choice(ENGINES),
+                default="python",
+                show_default=True,
+                help="python: the reference path; native: the compiled engine.",
             ),
         ]
     ):
@@ -783,7 +785,7 @@ def runtime_config(
     no_verify: bool,
     policy: str,
     no_prefetch: bool,
-    no_speculate: bool,
+    engine: str,
 ) -> RuntimeConfig:
     if context < 1:
         raise ValueError(f"--context must be at least 1 token, got {context}.")
@@ -795,7 +797,7 @@ def runtime_config(
         context=context,
         policy=policy,
         prefetch=not no_prefetch,
-        speculate=not no_speculate,
+        engine=engine,
     )
 
 
@@ -955,5 +957,5 @@ RUNTIME_FLAGS = (
     "no_verify",
     "policy",
     "no_prefetch",
-    "no_speculate",
+    "engine",
 )

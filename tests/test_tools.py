@@ -364,8 +364,8 @@ PLAN_FIELDS = (
         (["--cache-experts", "3"], {"cache_experts": 3}),
         (["--memory-budget", "600M"], {"memory_budget": "600M"}),
         (
-            ["--cache-experts", "5", "--prefetch-reads", "threads", "--context", "300"],
-            {"cache_experts": 5, "prefetch_reads": "threads", "context": 300},
+            ["--cache-experts", "5", "--no-prefetch", "--context", "300"],
+            {"cache_experts": 5, "prefetch": False, "context": 300},
         ),
         (
             ["--concurrency", "3", "--cache-experts", "6"],
