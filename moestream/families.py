@@ -24,15 +24,8 @@ from mlx.utils import tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes, infer_quant_config
 
-# The dtypes tensors are stored in, by the names the manifest uses.
-DTYPE_NAMES = {
-    mx.uint8: "uint8",
-    mx.uint32: "uint32",
-    mx.float16: "float16",
-    mx.bfloat16: "bfloat16",
-    mx.float32: "float32",
-}
-
+# The stored dtypes by manifest name; re-exported for runtime/store.py.
+from .formats.dtypes import DTYPE_NAMES as DTYPE_NAMES
 
 # Far above any released model (the deepest have about 130 layers).
 MAX_LAYERS = 1024

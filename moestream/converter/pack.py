@@ -30,7 +30,6 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..families import (
-    DTYPE_NAMES,
     Family,
     build_model,
     get_family,
@@ -46,6 +45,7 @@ from ..formats import (
     pack_record,
     write_blob,
 )
+from ..formats.dtypes import DTYPE_NAMES, FLOAT_DTYPES
 from ..formats.manifest import MANIFEST_NAME, PAGE_SIZE
 from ..formats.verify import file_checksum
 from ..units import human_bytes, peak_rss
@@ -63,7 +63,7 @@ from .source import Source, SourceError, group_by_layer, open_source
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = FLOAT_DTYPES
 DENSE_SHARD_BYTES = 4 << 30
 
 
