@@ -17,10 +17,11 @@ from click.testing import CliRunner
 from conftest import BITS
 
 import moestream.converter.pack as pack
+import moestream.formats.writer as writer
 from moestream.converter import ConvertError, convert
 from moestream.converter.cli import main as convert_main
 from moestream.converter.resume import ResumeError, partial_dir
-from moestream.formats import FormatError, load_manifest
+from moestream.formats import FormatError, ModelWriter, load_manifest
 from moestream.synthetic import HUB_LAYOUTS
 
 KILLER = Path(__file__).parent / "killed_convert.py"
@@ -52,8 +53,8 @@ class Interrupt(BaseException):
     """Stands in for Ctrl-C / a crash at a chosen point."""
 
 
-def interrupt_after(monkeypatch, name: str, n: int) -> None:
-    original, calls = getattr(pack, name), []
+def interrupt_after(monkeypatch, name: str, n: int, owner: object = pack) -> None:
+    original, calls = getattr(owner, name), []
 
     def wrapper(*args, **kwargs):
         calls.append(1)
@@ -61,7 +62,7 @@ def interrupt_after(monkeypatch, name: str, n: int) -> None:
             raise Interrupt
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pack, name, wrapper)
+    monkeypatch.setattr(owner, name, wrapper)
 
 
 def count_calls(monkeypatch, name: str) -> list:
@@ -102,7 +103,7 @@ def test_resume_redoes_a_damaged_layer(
     hf_dir: Path, converted: Path, tmp_path: Path, monkeypatch
 ) -> None:
     out = tmp_path / "out"
-    interrupt_after(monkeypatch, "_write_config", 1)  # both layers done
+    interrupt_after(monkeypatch, "write_config", 1, ModelWriter)  # both layers done
     with pytest.raises(Interrupt):
         convert(str(hf_dir), out, bits=BITS, progress=False)
     monkeypatch.undo()
@@ -284,7 +285,7 @@ def test_disk_full_in_dense_write(hf_dir: Path, tmp_path: Path, monkeypatch) -> 
     def full(path, arrays):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(pack, "_save_safetensors", full)
+    monkeypatch.setattr(writer, "_save_safetensors", full)
     with pytest.raises(ConvertError, match=r"No space left .*dense\.safetensors"):
         convert(str(hf_dir), tmp_path / "out", bits=BITS, progress=False)
     assert not (tmp_path / "out").exists()
@@ -298,7 +299,9 @@ def test_dense_safetensors_write_reports_enospc(tmp_path: Path) -> None:
         pytest.skip("no /dev/full")
     (tmp_path / "x.safetensors").symlink_to("/dev/full")
     with pytest.raises(OSError) as e:
-        pack._save_safetensors(tmp_path / "x.safetensors", {"a": mx.zeros((512, 512))})
+        writer._save_safetensors(
+            tmp_path / "x.safetensors", {"a": mx.zeros((512, 512))}
+        )
     assert e.value.errno == errno.ENOSPC
 
 
