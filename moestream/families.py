@@ -4,10 +4,11 @@ mlx-lm implements each family; moestream only needs to know where a family's
 checkpoint keeps a layer's tensors and what mlx-lm's `sanitize` must see to
 convert hub names when it is given one layer at a time (every mlx-lm MoE block
 calls a `SwitchGLU`, found by type, not by name). Adding a family is one
-`Family` entry here, a hub-layout builder in synthetic.py and a test case in
-tests/test_families.py; where transformers 5 has a class for it, also the RoPE
-its mlx-lm code implements (converter/hfconfig.py `ROPE`), its fused-save names
-(converter/layouts.py) and a case in tests/test_transformers5.py.
+`Family` entry here, a hub-layout builder in tests/builders/synthetic.py and a
+test case in tests/test_families.py; where transformers 5 has a class for it,
+also the RoPE its mlx-lm code implements (converter/hfconfig.py `ROPE`), its
+fused-save names (converter/layouts.py) and a case in
+tests/test_transformers5.py.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from builders.synthetic import tiny_qwen3_moe
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
 from moestream.converter import convert
 from moestream.formats import Recipe
 from moestream.reference import resident_model
-from moestream.synthetic import tiny_qwen3_moe
 
 BITS = "gate_proj=4,up_proj=3,down_proj=6"
 

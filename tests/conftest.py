@@ -5,10 +5,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from builders.synthetic import tiny_qwen3_moe
 
 from moestream.converter import convert
 from moestream.formats import Recipe
-from moestream.synthetic import tiny_qwen3_moe
 
 # Mixed bits on purpose: every projection width must survive the round trip.
 BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"

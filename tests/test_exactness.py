@@ -200,10 +200,11 @@ def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype):
 )
 def test_variants_exact(tmp_path, overrides):
     """Tied embeddings, no dense layers, float16 sources, other expert counts."""
+    from builders.synthetic import tiny_qwen3_moe
+
     from moestream.converter import convert
     from moestream.formats import Recipe
     from moestream.reference import resident_model
-    from moestream.synthetic import tiny_qwen3_moe
 
     overrides = dict(overrides)
     shards = overrides.pop("shards", 2)

@@ -1,7 +1,7 @@
 """Every family mlx-lm runs: hub layout in, logits bit-identical to mlx-lm out.
 
 Each case is a tiny random checkpoint with the hub's tensor names and config
-keys (moestream.synthetic), converted with mixed bits where the family allows,
+keys (tests/builders/synthetic.py), converted with mixed bits where the family allows,
 and compared with mlx-lm's fully resident model in prefill and decode at a
 cache below top-k (every call runs in groups) and a mid-sized one.
 """
@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from builders.synthetic import HUB_LAYOUTS, tiny_model, write_hf_model
+from builders.synthetic_sources import read_hf
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from test_exactness import PROMPT, logits_stepwise
@@ -34,8 +36,6 @@ from moestream.families import (
 from moestream.formats import BlobReader, Recipe, load_manifest
 from moestream.reference import resident_model
 from moestream.runtime.loader import router_predictor
-from moestream.synthetic import HUB_LAYOUTS, tiny_model, write_hf_model
-from moestream.synthetic_sources import read_hf
 
 BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
 # below top-k (2): every call runs in groups; mid: 5 of 8 experts resident

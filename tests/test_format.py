@@ -254,7 +254,7 @@ def test_pickle_only_source_refused(hf_dir: Path, tmp_path: Path) -> None:
 
 
 def test_missing_tensor_and_bad_shape_refused(hf_dir: Path, tmp_path: Path) -> None:
-    from moestream.synthetic import QWEN3_MOE, write_hf_model
+    from builders.synthetic import QWEN3_MOE, write_hf_model
 
     weights = dict(mx.load(str(hf_dir / "model-00001-of-00002.safetensors")))
     weights.update(mx.load(str(hf_dir / "model-00002-of-00002.safetensors")))

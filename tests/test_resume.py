@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from builders.synthetic import HUB_LAYOUTS
 from click.testing import CliRunner
 from conftest import BITS
 
@@ -22,7 +23,6 @@ from moestream.converter import ConvertError, convert
 from moestream.converter.cli import main as convert_main
 from moestream.converter.resume import ResumeError, partial_dir
 from moestream.formats import FormatError, ModelWriter, load_manifest
-from moestream.synthetic import HUB_LAYOUTS
 
 KILLER = Path(__file__).parent / "killed_convert.py"
 
@@ -338,7 +338,7 @@ def _interrupted_then_resumed(src: Path, tmp_path: Path, monkeypatch, bits) -> N
 
 
 def _family_case(family: str, tmp_path: Path, monkeypatch) -> None:
-    from moestream.synthetic import tiny_model
+    from builders.synthetic import tiny_model
 
     src = tiny_model(tmp_path / "hf", family, seed=3)
     bits = None if family == "gpt_oss" else "down_proj=6"  # MXFP4 kept as shipped
@@ -354,7 +354,7 @@ def test_resume_byte_identical_per_family(family, tmp_path, monkeypatch) -> None
 def test_resume_byte_identical_per_source_layout(
     hf_dir, layout, tmp_path, monkeypatch
 ) -> None:
-    from moestream.synthetic_sources import to_fp8, to_fused, to_mlx
+    from builders.synthetic_sources import to_fp8, to_fused, to_mlx
 
     make = {"fused": to_fused, "fp8": to_fp8, "mlx": to_mlx}[layout]
     src = make(hf_dir, tmp_path / layout)

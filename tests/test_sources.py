@@ -9,6 +9,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from builders.synthetic import write_hf_model
+from builders.synthetic_sources import (
+    FUSED_STYLES,
+    fp8_quantizable,
+    read_hf,
+    to_fp8,
+    to_fused,
+    to_mlx,
+)
 from click.testing import CliRunner
 from conftest import BITS
 
@@ -19,15 +28,6 @@ from moestream.converter.layouts import dequantize_fp8
 from moestream.formats import BlobReader, load_manifest
 from moestream.formats.manifest import inside
 from moestream.reference import resident_model
-from moestream.synthetic import write_hf_model
-from moestream.synthetic_sources import (
-    FUSED_STYLES,
-    fp8_quantizable,
-    read_hf,
-    to_fp8,
-    to_fused,
-    to_mlx,
-)
 
 PROMPT = mx.array([[(5 * i + 1) % 300 for i in range(40)]])
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import pytest
+from builders.synthetic import HUB_LAYOUTS
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
 from moestream.formats import load_manifest
 from moestream.runtime.pool import POLICIES
-from moestream.synthetic import HUB_LAYOUTS
 
 # Every runtime option the stress draws from, in one place: a new engine option
 # is one more line here.
@@ -185,10 +185,11 @@ def test_stress_every_family(family, tmp_path) -> None:
     MXFP4 experts, hybrid attention): zero mismatches."""
     import json
 
+    from builders.synthetic import tiny_model
+
     from moestream.converter import convert
     from moestream.formats import Recipe
     from moestream.reference import resident_model
-    from moestream.synthetic import tiny_model
 
     src = tiny_model(tmp_path / "hf", family, seed=3)
     bits = None if family == "gpt_oss" else "down_proj=6"  # MXFP4 kept as shipped

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from builders.synthetic import HUB_LAYOUTS, random_weights, tiny_model, write_hf_model
+from builders.synthetic_sources import read_hf
 from click.testing import CliRunner
 from mlx_lm.utils import _get_classes
 from test_exactness import PROMPT, logits_stepwise
@@ -39,8 +41,6 @@ from moestream.converter.hfconfig import ConfigError, normalize_config
 from moestream.families import build_model, model_args
 from moestream.formats import Recipe
 from moestream.reference import resident_model
-from moestream.synthetic import HUB_LAYOUTS, random_weights, tiny_model, write_hf_model
-from moestream.synthetic_sources import read_hf
 
 BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
 THETA = 50000.0

@@ -34,7 +34,7 @@ from ..formats import (
     load_manifest,
 )
 from ..formats.manifest import inside
-from ..synthetic import QWEN3_MOE, write_tokenizer
+from .tokenizer import write_tokenizer
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,16 @@ class Scale:
 
     def config(self) -> dict:
         return {
-            **QWEN3_MOE,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "bos_token_id": 0,
+            "eos_token_id": 0,
             "hidden_size": self.hidden,
             "intermediate_size": 4 * self.hidden,
             "moe_intermediate_size": self.moe_intermediate,

@@ -1,4 +1,4 @@
-"""Random MoE checkpoints in real Hugging Face hub layout, for tests and benchmarks.
+"""Random MoE checkpoints in real Hugging Face hub layout, for tests.
 
 Tensor names, shapes and config keys are those of the hub's Qwen3-MoE
 checkpoints (one 2-D tensor per expert), so the converter sees what a user's
@@ -13,12 +13,8 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-TEXT = (
-    "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n"
-    "        self.items.append(x)\n\nimport os\nprint('hello world')\n"
-) * 20
+from moestream.bench.tokenizer import write_tokenizer
 
 QWEN3_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -107,35 +103,6 @@ def random_weights(
         out[name] = w.astype(dtype)
     mx.eval(out)
     return out
-
-
-def write_tokenizer(path: Path) -> None:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([TEXT], trainer)
-    tok.save(str(path / "tokenizer.json"))
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
-        "assistant\n{% endif %}"
-    )
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<|endoftext|>",
-                "pad_token": "<|endoftext|>",
-                "chat_template": template,
-            }
-        )
-    )
 
 
 def write_hf_model(
