@@ -42,50 +42,20 @@ QWEN3_MOE = {
 }
 
 
-def qwen3_moe_tensors(config: dict, seed: int = 0) -> dict[str, tuple[int, ...]]:
+def qwen3_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """Hub tensor names and shapes of a Qwen3-MoE checkpoint (one tensor per expert)."""
-    h, v = config["hidden_size"], config["vocab_size"]
-    hd, nh, nkv = (
-        config["head_dim"],
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-    )
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (v, h),
-        "model.norm.weight": (h,),
-    }
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(config["num_hidden_layers"]):
+    h, e, hd = c["hidden_size"], c["num_experts"], c["head_dim"]
+    shapes = _lm(c)
+    for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}"
-        shapes.update(
-            {
-                f"{p}.input_layernorm.weight": (h,),
-                f"{p}.post_attention_layernorm.weight": (h,),
-                f"{p}.self_attn.q_proj.weight": (nh * hd, h),
-                f"{p}.self_attn.k_proj.weight": (nkv * hd, h),
-                f"{p}.self_attn.v_proj.weight": (nkv * hd, h),
-                f"{p}.self_attn.o_proj.weight": (h, nh * hd),
-                f"{p}.self_attn.q_norm.weight": (hd,),
-                f"{p}.self_attn.k_norm.weight": (hd,),
-            }
-        )
-        if layer in config["mlp_only_layers"]:
-            i = config["intermediate_size"]
-            shapes.update(
-                {
-                    f"{p}.mlp.gate_proj.weight": (i, h),
-                    f"{p}.mlp.up_proj.weight": (i, h),
-                    f"{p}.mlp.down_proj.weight": (h, i),
-                }
-            )
+        shapes |= _norms(p, h) | _attention(p, c)
+        shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
+        shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
+        if layer in c["mlp_only_layers"]:
+            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
             continue
-        i, e = config["moe_intermediate_size"], config["num_experts"]
         shapes[f"{p}.mlp.gate.weight"] = (e, h)
-        for x in range(e):
-            shapes[f"{p}.mlp.experts.{x}.gate_proj.weight"] = (i, h)
-            shapes[f"{p}.mlp.experts.{x}.up_proj.weight"] = (i, h)
-            shapes[f"{p}.mlp.experts.{x}.down_proj.weight"] = (h, i)
+        shapes |= _experts(f"{p}.mlp", e, h, c["moe_intermediate_size"])
     return shapes
 
 
@@ -745,7 +715,7 @@ def olmoe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _routed_mlp(p: str, c: dict, experts: str = "experts") -> dict[str, tuple]:
+def _routed_mlp(p: str, c: dict) -> dict[str, tuple]:
     """DeepSeek-style MoE MLP: a gate (with score-correction bias for noaux_tc
     routing), routed experts and shared experts."""
     h, e, i = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"]
