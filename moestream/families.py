@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import re
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -145,12 +145,21 @@ def get_family(config: dict) -> Family:
     return FAMILIES[model_type]
 
 
+def mlx_lm_classes(config: dict) -> tuple[type[nn.Module], type]:
+    """The family's mlx-lm (Model, ModelArgs) classes.
+
+    The one call of mlx-lm's private `_get_classes`; tests/test_families.py
+    checks it still takes a config and returns these two.
+    """
+    return _get_classes(config)
+
+
 def build_model(config: dict) -> nn.Module:
     """The family's mlx-lm model with lazily initialised (never evaluated) weights."""
     get_family(config)
     _check_layer_count(config)
     try:
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = mlx_lm_classes(config)
         return model_class(args_class.from_dict(config))
     except Exception as e:  # mlx-lm's model code fails on a bad config in many ways
         raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
@@ -160,7 +169,7 @@ def model_args(config: dict) -> dict[str, inspect.Parameter]:
     """The fields of the family's mlx-lm ModelArgs (what it reads of config.json)."""
     get_family(config)
     try:
-        _, args_class = _get_classes(config)
+        _, args_class = mlx_lm_classes(config)
         return dict(inspect.signature(args_class).parameters)
     except Exception as e:  # a hostile config.json (e.g. a non-list architectures)
         raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
@@ -281,6 +290,3 @@ def layer_index(module_path: str) -> int:
             f"Cannot tell the layer of expert module {module_path}."
         )
     return int(m.group(1))
-
-
-QuantPredicate = Callable[[str, nn.Module], bool | dict]

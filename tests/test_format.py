@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import edit_manifest
+from helpers import edit_manifest
 
 import moestream
 from moestream.converter import ConvertError, SourceError, convert
@@ -81,7 +81,7 @@ def test_manifest_round_trip(converted: Path) -> None:
 def test_conversion_is_deterministic(
     hf_dir: Path, converted: Path, tmp_path: Path
 ) -> None:
-    from conftest import BITS
+    from helpers import BITS
 
     again = tmp_path / "again"
     convert(str(hf_dir), again, bits=BITS, progress=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from builders.synthetic import HUB_LAYOUTS
 from click.testing import CliRunner
-from conftest import BITS
+from helpers import BITS
 
 import moestream.converter.pack as pack
 import moestream.formats.writer as writer

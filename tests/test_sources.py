@@ -19,7 +19,7 @@ from builders.synthetic_sources import (
     to_mlx,
 )
 from click.testing import CliRunner
-from conftest import BITS
+from helpers import BITS, same_files
 
 import moestream
 from moestream.converter import SourceError, convert
@@ -30,13 +30,6 @@ from moestream.formats.manifest import inside
 from moestream.reference import resident_model
 
 PROMPT = mx.array([[(5 * i + 1) % 300 for i in range(40)]])
-
-
-def same_files(a: Path, b: Path) -> None:
-    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    for f in files:
-        assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 
 def shard_of(path: Path) -> dict[str, str]:
