@@ -41,3 +41,10 @@ def copy(converted: Path, tmp_path: Path) -> Path:
     out = tmp_path / "model"
     shutil.copytree(converted, out)
     return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pyproject.toml lists `slow`; `device` is registered here
+    config.addinivalue_line(
+        "markers", "device: needs an accelerator (a GPU); skipped without one"
+    )
