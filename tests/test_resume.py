@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from builders.synthetic import HUB_LAYOUTS
 from click.testing import CliRunner
-from helpers import BITS
+from helpers import BITS, same_files
 
 import moestream.converter.pack as pack
 import moestream.formats.writer as writer
@@ -25,21 +25,6 @@ from moestream.converter.resume import ResumeError, partial_dir
 from moestream.formats import FormatError, ModelWriter, load_manifest
 
 KILLER = Path(__file__).parent / "killed_convert.py"
-
-
-def files_of(directory: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(directory)): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
-def assert_identical(a: Path, b: Path) -> None:
-    fa, fb = files_of(a), files_of(b)
-    assert sorted(fa) == sorted(fb)
-    for name in fa:
-        assert fa[name] == fb[name], name
 
 
 def assert_not_valid(out: Path) -> None:
@@ -96,7 +81,7 @@ def test_resume_reuses_finished_layers_byte_identical(
     assert [args[2] for args in written] == [2]  # only the unfinished layer
     assert (out / "experts/layer-000.blob").stat().st_ino == inode  # reused as is
     assert not partial_dir(out).exists()
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 def test_resume_redoes_a_damaged_layer(
@@ -116,7 +101,7 @@ def test_resume_redoes_a_damaged_layer(
     written = count_calls(monkeypatch, "_write_layer")
     convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
     assert [args[2] for args in written] == [2]
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 @pytest.mark.parametrize(
@@ -158,7 +143,7 @@ def test_resume_without_partial_converts(
     hf_dir: Path, converted: Path, tmp_path: Path
 ) -> None:
     convert(str(hf_dir), tmp_path / "out", bits=BITS, progress=False, resume=True)
-    assert_identical(tmp_path / "out", converted)
+    same_files(tmp_path / "out", converted)
 
 
 # -------------------------------------------------------------- real SIGKILLs
@@ -196,7 +181,7 @@ def test_sigkill_then_resume_byte_identical(
     r = CliRunner().invoke(convert_main, [str(hf_dir), str(out), "--bits", BITS])
     assert r.exit_code == 2 and "--resume" in r.output
     convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 def test_sigkill_from_outside_then_resume(
@@ -222,7 +207,7 @@ def test_sigkill_from_outside_then_resume(
         args = [str(hf_dir), str(out), "--bits", BITS, "--resume"]
         r = CliRunner().invoke(convert_main, args, catch_exceptions=False)
         assert r.exit_code == 0, r.output
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 # ------------------------------------------------------------------ disk full
@@ -278,7 +263,7 @@ def test_disk_full_is_one_clean_line(
     ]  # the half-written layer-002 blob is gone
     monkeypatch.undo()
     convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 def test_disk_full_in_dense_write(hf_dir: Path, tmp_path: Path, monkeypatch) -> None:
@@ -334,7 +319,7 @@ def _interrupted_then_resumed(src: Path, tmp_path: Path, monkeypatch, bits) -> N
     convert(str(src), out, bits=bits, progress=False, resume=True)
     moe_layers = len(load_manifest(out).layers)
     assert len(written) == moe_layers - 1  # the finished layer was reused
-    assert_identical(out, whole)
+    same_files(out, whole)
 
 
 def _family_case(family: str, tmp_path: Path, monkeypatch) -> None:
