@@ -4,10 +4,11 @@ mlx-lm implements each family; moestream only needs to know where a family's
 checkpoint keeps a layer's tensors and what mlx-lm's `sanitize` must see to
 convert hub names when it is given one layer at a time (every mlx-lm MoE block
 calls a `SwitchGLU`, found by type, not by name). Adding a family is one
-`Family` entry here, a hub-layout builder in synthetic.py and a test case in
-tests/test_families.py; where transformers 5 has a class for it, also the RoPE
-its mlx-lm code implements (converter/hfconfig.py `ROPE`), its fused-save names
-(converter/layouts.py) and a case in tests/test_transformers5.py.
+`Family` entry here, a hub-layout builder in tests/builders/synthetic.py and a
+test case in tests/test_families.py; where transformers 5 has a class for it,
+also the RoPE its mlx-lm code implements (converter/hfconfig.py `ROPE`), its
+fused-save names (converter/layouts.py) and a case in
+tests/test_transformers5.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import inspect
 import re
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -24,15 +25,8 @@ from mlx.utils import tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes, infer_quant_config
 
-# The dtypes tensors are stored in, by the names the manifest uses.
-DTYPE_NAMES = {
-    mx.uint8: "uint8",
-    mx.uint32: "uint32",
-    mx.float16: "float16",
-    mx.bfloat16: "bfloat16",
-    mx.float32: "float32",
-}
-
+# The stored dtypes by manifest name; re-exported for runtime/store.py.
+from .formats.dtypes import DTYPE_NAMES as DTYPE_NAMES
 
 # Far above any released model (the deepest have about 130 layers).
 MAX_LAYERS = 1024
@@ -151,12 +145,21 @@ def get_family(config: dict) -> Family:
     return FAMILIES[model_type]
 
 
+def mlx_lm_classes(config: dict) -> tuple[type[nn.Module], type]:
+    """The family's mlx-lm (Model, ModelArgs) classes.
+
+    The one call of mlx-lm's private `_get_classes`; tests/test_families.py
+    checks it still takes a config and returns these two.
+    """
+    return _get_classes(config)
+
+
 def build_model(config: dict) -> nn.Module:
     """The family's mlx-lm model with lazily initialised (never evaluated) weights."""
     get_family(config)
     _check_layer_count(config)
     try:
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = mlx_lm_classes(config)
         return model_class(args_class.from_dict(config))
     except Exception as e:  # mlx-lm's model code fails on a bad config in many ways
         raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
@@ -166,7 +169,7 @@ def model_args(config: dict) -> dict[str, inspect.Parameter]:
     """The fields of the family's mlx-lm ModelArgs (what it reads of config.json)."""
     get_family(config)
     try:
-        _, args_class = _get_classes(config)
+        _, args_class = mlx_lm_classes(config)
         return dict(inspect.signature(args_class).parameters)
     except Exception as e:  # a hostile config.json (e.g. a non-list architectures)
         raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
@@ -287,6 +290,3 @@ def layer_index(module_path: str) -> int:
             f"Cannot tell the layer of expert module {module_path}."
         )
     return int(m.group(1))
-
-
-QuantPredicate = Callable[[str, nn.Module], bool | dict]

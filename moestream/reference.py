@@ -29,7 +29,6 @@ from .converter.hfconfig import normalize_config
 from .converter.pack import quant_predicate, source_dtype
 from .converter.source import resolve
 from .families import (
-    DTYPE_NAMES,
     build_model,
     cast_floating,
     layer_index,
@@ -37,6 +36,7 @@ from .families import (
     switch_modules,
 )
 from .formats import BlobReader, Recipe, load_manifest
+from .formats.dtypes import DTYPE_NAMES
 from .formats.manifest import inside
 from .runtime.loader import dense_weights, resolve_dtype
 

@@ -4,27 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from helpers import PROMPT, generated, logits_stepwise
 
 import moestream
 
 # top_k, in between, all experts of the tiny model (8, top-2)
 CACHE_SIZES = [2, 5, 8]
-PROMPT = mx.array([[(7 * i + 3) % 300 for i in range(48)]])
-
-
-def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
-    """Prefill `prompt`, then feed greedy tokens one at a time with a KV cache."""
-    cache = make_prompt_cache(model)
-    out = [model(prompt, cache=cache)]
-    token = mx.argmax(out[-1][:, -1], axis=-1, keepdims=True)
-    for _ in range(steps):
-        out.append(model(token, cache=cache))
-        token = mx.argmax(out[-1][:, -1], axis=-1, keepdims=True)
-    mx.eval(out)
-    return out
 
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
@@ -101,19 +86,6 @@ def test_memory_budget_load_is_exact(converted, reference):
     assert mx.array_equal(model(PROMPT), reference(PROMPT)).item()
 
 
-def generated(
-    model, prompt: list[int], temp: float, seed: int, n: int = 24
-) -> list[int]:
-    mx.random.seed(seed)
-    steps = generate_step(
-        mx.array(prompt),
-        model,
-        max_tokens=n,
-        sampler=make_sampler(temp, top_p=0.9 if temp else 1.0),
-    )
-    return [t for t, _ in steps]
-
-
 @pytest.mark.parametrize("temp", [0.0, 0.9])
 def test_generated_tokens_identical(converted, reference, temp):
     prompt = [5, 17, 33, 2, 90, 41]
@@ -158,10 +130,11 @@ def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype):
 )
 def test_variants_exact(tmp_path, overrides):
     """Tied embeddings, no dense layers, float16 sources, other expert counts."""
+    from builders.synthetic import tiny_qwen3_moe
+
     from moestream.converter import convert
     from moestream.formats import Recipe
     from moestream.reference import resident_model
-    from moestream.synthetic import tiny_qwen3_moe
 
     overrides = dict(overrides)
     shards = overrides.pop("shards", 2)

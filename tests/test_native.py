@@ -8,7 +8,7 @@ import zlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_exactness import PROMPT, generated, logits_stepwise
+from helpers import PROMPT, generated, logits_stepwise
 
 import moestream
 from moestream.runtime import native

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import mlx.core as mx
 import pytest
+from builders.synthetic import HUB_LAYOUTS
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
@@ -23,7 +24,6 @@ from moestream.reference import resident_model
 from moestream.runtime import RuntimeConfig, native
 from moestream.runtime.config import DTYPES
 from moestream.runtime.pool import POLICIES
-from moestream.synthetic import HUB_LAYOUTS
 
 # Every runtime option the stress draws from, one line per RuntimeConfig field
 # (test_every_field_is_drawn keeps it so).
@@ -226,9 +226,10 @@ def test_stress_every_family(family, tmp_path) -> None:
     MXFP4 experts, hybrid attention): zero mismatches."""
     import json
 
+    from builders.synthetic import tiny_model
+
     from moestream.converter import convert
     from moestream.formats import Recipe
-    from moestream.synthetic import tiny_model
 
     src = tiny_model(tmp_path / "hf", family, seed=3)
     bits = None if family == "gpt_oss" else "down_proj=6"  # MXFP4 kept as shipped

@@ -27,22 +27,19 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from builders.synthetic import HUB_LAYOUTS, random_weights, tiny_model, write_hf_model
+from builders.synthetic_sources import read_hf
 from click.testing import CliRunner
-from mlx_lm.utils import _get_classes
-from test_exactness import PROMPT, logits_stepwise
-from test_sources import same_files
+from helpers import BITS, PROMPT, logits_stepwise, same_files
 
 import moestream
 from moestream.converter import SourceError, convert
 from moestream.converter.cli import main as convert_main
 from moestream.converter.hfconfig import ConfigError, normalize_config
-from moestream.families import build_model, model_args
+from moestream.families import build_model, mlx_lm_classes, model_args
 from moestream.formats import Recipe
 from moestream.reference import resident_model
-from moestream.synthetic import HUB_LAYOUTS, random_weights, tiny_model, write_hf_model
-from moestream.synthetic_sources import read_hf
 
-BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
 THETA = 50000.0
 F32 = "float32"
 DEFAULT_ROPE = {"rope_theta": THETA, "rope_type": "default"}
@@ -489,7 +486,7 @@ def test_model_args_as_from_the_hub_config(family: str):
     config (normalized) as from the hub one."""
     hub = model_args_from(hub_config(family))
     ours = model_args_from(normalize_config(t5_config(family)))
-    module = _get_classes(hub_config(family))[0].__module__
+    module = mlx_lm_classes(hub_config(family))[0].__module__
     for name in UNREAD.get(family, ()):
         source = inspect.getsource(importlib.import_module(module))
         assert not re.search(rf"\.{name}\b", source), f"mlx-lm reads {name} now"
@@ -501,7 +498,7 @@ def model_args_from(config: dict) -> dict:
     """vars(ModelArgs) as mlx-lm's code uses them: head_dim None as
     hidden_size // heads, rope_scaling with one type name and no copy of a
     top-level key."""
-    args = vars(_get_classes(config)[1].from_dict(config))
+    args = vars(mlx_lm_classes(config)[1].from_dict(config))
     if "head_dim" in args and args["head_dim"] is None:  # mlx-lm's fallback
         args["head_dim"] = args["hidden_size"] // args["num_attention_heads"]
     scaling = args.get("rope_scaling")

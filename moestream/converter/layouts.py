@@ -32,13 +32,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import infer_quant_config
 
 from ..families import (
-    DTYPE_NAMES,
     build_model,
     layer_index,
     quantize_as_configured,
     switch_modules,
 )
 from ..formats import Recipe
+from ..formats.dtypes import DTYPE_NAMES
 from ..formats.recipe import LayerOverride, RecipeError
 from .source import Source, SourceError
 
