@@ -43,7 +43,7 @@ demo: $(STAMP)
 # The issue's comparison model (~1 GB), written once; then the table of ratios.
 BENCH_OUT := build/bench-small
 $(BENCH_OUT)/manifest.json: | $(STAMP)
-	$(BIN)/python scripts/synthetic_models.py small $(BENCH_OUT)
+	$(BIN)/moestream bench make-model small $(BENCH_OUT)
 
 bench: $(STAMP) $(BENCH_OUT)/manifest.json
 	$(BIN)/moestream bench $(BENCH_OUT)

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import __version__
 from .errors import user_errors
 from .runtime import load, runtime_of, stats
 from .serve import RUNTIME_FLAGS, chat_template_text, runtime_config, runtime_options
@@ -99,6 +100,7 @@ class Conversation:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="moestream")
 @click.argument("model_dir", metavar="OUT", type=click.Path())
 @click.option(
     "--system-prompt", default=None, help="System prompt of each conversation."

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .bench.cli import bench as bench_cmd
+from .bench.commands import bench_group as bench_cmd
 from .chat import chat_cmd
 from .converter.cli import main as convert_cmd
 from .errors import user_errors

@@ -36,6 +36,7 @@ from mlx_lm.server import (
 )
 from mlx_lm.utils import load_config
 
+from . import __version__
 from .errors import user_errors
 from .families import get_family
 from .runtime import BudgetError, RuntimeConfig, load, runtime_of, stats
@@ -819,6 +820,7 @@ def _size(ctx, param, value: str | None) -> int | None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="moestream")
 @click.argument("model_dir", metavar="OUT", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int, help="0: any free.")

@@ -42,6 +42,7 @@ RUNTIME_CHOICES: dict[str, list] = {
     "record_trace": [False, True],
     "lrfu_decay": [0.5, RuntimeConfig.lrfu_decay],
     "engine": ["python", "native"] if native.available() else ["python"],
+    "concurrency": [1, 2],
 }
 FAST_CASES, SLOW_CASES = 30, 1000
 FAST_SETS, SLOW_SETS = 8, 60  # option sets per run
@@ -49,7 +50,13 @@ VOCAB = 300  # below the tiny model's 320
 
 
 def draw_options(rng: random.Random) -> dict:
-    return {k: rng.choice(v) for k, v in RUNTIME_CHOICES.items()}
+    options = {k: rng.choice(v) for k, v in RUNTIME_CHOICES.items()}
+    if options["concurrency"] > 1:  # a batch step needs concurrency x top-2 slots
+        options["cache_experts"] = max(options["cache_experts"], 4)
+    if options["engine"] == "native" and options["dtype"] == "float16":
+        # Rounding bf16 records to fp16 slots is refused by name (tested).
+        options["engine"] = "python"
+    return options
 
 
 @dataclass
