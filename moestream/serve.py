@@ -910,7 +910,17 @@ def _size(ctx, param, value: str | None) -> int | None:
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]),
 )
-def serve_cmd(model_dir: str, host: str, port: int, **flags: Any) -> None:
+@click.option(
+    "--trace",
+    "trace_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Record every MoE layer call and write it as run-moe --trace does "
+    "when the server stops (it grows with every token served).",
+)
+def serve_cmd(
+    model_dir: str, host: str, port: int, trace_file: str | None, **flags: Any
+) -> None:
     """Serve a converted model OUT with an OpenAI-compatible API (mlx_lm.server's).
 
     POST /v1/chat/completions and /v1/completions (streaming or not), GET
@@ -926,9 +936,8 @@ def serve_cmd(model_dir: str, host: str, port: int, **flags: Any) -> None:
 
     def start() -> Server:
         options = ServerOptions(**flags)
-        return Server(
-            model_dir, runtime_config(**runtime), options, host, port, log_level
-        )
+        config = replace(runtime_config(**runtime), record_trace=bool(trace_file))
+        return Server(model_dir, config, options, host, port, log_level)
 
     server = user_errors(start)
     click.echo(server.describe(), err=True)
@@ -947,6 +956,11 @@ def serve_cmd(model_dir: str, host: str, port: int, **flags: Any) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        if trace_file:  # before close, which lets go of the model
+            from .trace import write_trace
+
+            calls = write_trace(server.model, trace_file)
+            click.echo(f"trace: {calls} MoE layer calls -> {trace_file}", err=True)
         server.close()
     click.echo("stopped", err=True)
 

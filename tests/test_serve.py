@@ -331,10 +331,13 @@ def test_plan_counts_concurrency_and_caps_it_to_fit(converted) -> None:
     [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
     ids=["SIGTERM", "SIGINT"],
 )
-def test_serve_cli_starts_and_stops_cleanly(converted, sig) -> None:
-    """`moestream serve` as a user runs it: serves, then stops on SIGTERM/SIGINT."""
+def test_serve_cli_starts_and_stops_cleanly(converted, tmp_path, sig) -> None:
+    """`moestream serve` as a user runs it: serves, then stops on SIGTERM/SIGINT
+    and writes the trace of what it served."""
+    trace = tmp_path / "trace.jsonl"
+    args = ["--port", "0", "--cache-experts", "4", "--trace", str(trace)]
     proc = subprocess.Popen(
-        [*SERVE, str(converted), "--port", "0", "--cache-experts", "4"],
+        [*SERVE, str(converted), *args],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -343,13 +346,22 @@ def test_serve_cli_starts_and_stops_cleanly(converted, sig) -> None:
         url = _served_url(proc)
         with urllib.request.urlopen(url + "/health", timeout=TIMEOUT) as r:
             assert r.status == 200
+        body = json.dumps({"prompt": "def", "max_tokens": 3}).encode()
+        request = urllib.request.Request(
+            url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+            assert r.status == 200
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=TIMEOUT)
     finally:
         proc.kill()
         proc.wait(timeout=TIMEOUT)
     assert proc.returncode == 0, err
-    assert err.strip().endswith("stopped") and "terminate" not in err
+    assert "stopped" in err and "terminate" not in err
+    lines = trace.read_text().splitlines()
+    assert f"trace: {len(lines) - 1} MoE layer calls" in err
+    assert len(lines) > 3 and json.loads(lines[0])["moestream_trace"] == 1
 
 
 def _served_url(proc: subprocess.Popen) -> str:
