@@ -14,7 +14,7 @@ PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 # The native engine is compiled against the venv's own MLX (no build isolation).
 $(STAMP): pyproject.toml $(NATIVE)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) "setuptools>=68" "nanobind==3.1.0" "cmake>=3.25" "mlx[cpu]>=0.31,<0.40"
+	$(PIP) "setuptools>=77" "nanobind==3.1.0" "cmake>=3.25" "mlx[cpu]>=0.31,<0.40"
 	$(PIP) --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 
@@ -43,7 +43,7 @@ demo: $(STAMP)
 # The issue's comparison model (~1 GB), written once; then the table of ratios.
 BENCH_OUT := build/bench-small
 $(BENCH_OUT)/manifest.json: | $(STAMP)
-	$(BIN)/python scripts/synthetic_models.py small $(BENCH_OUT)
+	$(BIN)/moestream bench make-model small $(BENCH_OUT)
 
 bench: $(STAMP) $(BENCH_OUT)/manifest.json
 	$(BIN)/moestream bench $(BENCH_OUT)

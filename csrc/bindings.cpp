@@ -25,7 +25,8 @@ NB_MODULE(_native, m) {
   nb::class_<ExpertCache>(m, "ExpertCache")
       .def(
           "__init__",
-          [](ExpertCache* self, const std::string& path, int64_t data_offset,
+          [](ExpertCache* self, const std::string& path, int layer,
+             int64_t data_offset,
              int64_t stride, int64_t record_nbytes, int num_experts,
              int capacity,
              const std::vector<std::tuple<int64_t, int64_t, int>>& segments,
@@ -36,14 +37,14 @@ NB_MODULE(_native, m) {
               segs.push_back({offset, nbytes, moestream::Widen(widen)});
             }
             new (self) ExpertCache(
-                path, data_offset, stride, record_nbytes, num_experts,
+                path, layer, data_offset, stride, record_nbytes, num_experts,
                 capacity, std::move(segs), std::move(checksums), verify,
                 policy == "lru", decay, max_pairs);
           },
-          "path"_a, "data_offset"_a, "stride"_a, "record_nbytes"_a,
+          "path"_a, "layer"_a, "data_offset"_a, "stride"_a, "record_nbytes"_a,
           "num_experts"_a, "capacity"_a, "segments"_a, "checksums"_a,
           "verify"_a, "policy"_a, "decay"_a, "max_pairs"_a)
-      .def("bind", &ExpertCache::bind, "slots"_a)
+      .def("bind", &ExpertCache::bind, "slots"_a, "on_gpu"_a)
       .def("chain", &ExpertCache::chain, "next"_a)
       .def("load", &ExpertCache::load, "experts"_a, "tokens"_a,
            nb::call_guard<nb::gil_scoped_release>())

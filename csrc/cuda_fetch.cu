@@ -5,6 +5,7 @@
 //   3. a kernel copies the staged records into their device slots (reading the
 //      pinned staging over the bus) and writes the slot ids.
 #include <cuda_fp16.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <mutex>
@@ -39,8 +40,14 @@ T* pinned(size_t count) {
 
 struct SegDesc {
   int64_t offset, nbytes, slot_bytes;
-  uint8_t* dst;
   int widen;
+};
+
+// Slot memory per segment, read when each call is encoded: a slot array whose
+// buffer MLX moved (to unified memory) is written where it lives now.
+constexpr int MAX_SEGMENTS = 16;
+struct SlotPtrs {
+  uint8_t* p[MAX_SEGMENTS];
 };
 
 struct Plan {
@@ -84,6 +91,12 @@ struct GpuState {
   int nseg;
 };
 
+// Our kernels as driver-API handles: MLX adds graph nodes with its own CUDA
+// runtime, which does not know kernels registered by ours.
+struct Kernels {
+  CUfunction export_ids, apply_plan;
+};
+
 struct CallArgs {
   ExpertCache* cache;
   int64_t n;
@@ -109,8 +122,8 @@ __device__ float bf16_to_f32(uint16_t h) {
 
 __global__ void apply_plan(
     const Plan* plan, const uint8_t* stage, int64_t record_nbytes,
-    const SegDesc* segs, int nseg, const uint32_t* host_out, uint32_t* out,
-    int n) {
+    const SegDesc* segs, SlotPtrs dsts, int nseg, const uint32_t* host_out,
+    uint32_t* out, int n) {
   int j = blockIdx.y;
   if (j == 0 && blockIdx.x == 0) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -127,7 +140,7 @@ __global__ void apply_plan(
   for (int s = 0; s < nseg; s++) {
     const SegDesc& d = segs[s];
     const uint8_t* src = record + d.offset;
-    uint8_t* dst = d.dst + slot * d.slot_bytes;
+    uint8_t* dst = dsts.p[s] + slot * d.slot_bytes;
     if (d.widen != 0) {
       auto* h = reinterpret_cast<const uint16_t*>(src);
       auto* f = reinterpret_cast<float*>(dst);
@@ -156,6 +169,7 @@ void CUDART_CB resolve_on_host(void* p) {
   auto& c = *a->cache;
   auto& g = *c.gpu;
   g.plan->n = 0;
+  c.counters.calls += 1;
   try {
     c.resolve(g.ids, a->n, a->tokens, g.out, [&](int e, int s) {
       int i = g.plan->n;
@@ -178,6 +192,21 @@ void CUDART_CB resolve_on_host(void* p) {
 
 namespace {
 
+const Kernels& kernels() {
+  static Kernels k = [] {
+    Kernels k;
+    cudaFunction_t f;
+    check(cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(&export_ids)),
+          "cudaGetFuncBySymbol");
+    k.export_ids = reinterpret_cast<CUfunction>(f);
+    check(cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(&apply_plan)),
+          "cudaGetFuncBySymbol");
+    k.apply_plan = reinterpret_cast<CUfunction>(f);
+    return k;
+  }();
+  return k;
+}
+
 GpuState& gpu_state(ExpertCache& c) {
   if (c.gpu) {
     return *c.gpu;
@@ -197,9 +226,10 @@ GpuState& gpu_state(ExpertCache& c) {
     auto& a = c.slots[i];
     segs.push_back(
         {c.segments[i].offset, c.segments[i].nbytes,
-         int64_t(a.nbytes() / a.shape(0)),
-         static_cast<uint8_t*>(mlx::core::gpu_ptr<void>(a)),
-         int(c.segments[i].widen)});
+         int64_t(a.nbytes() / a.shape(0)), int(c.segments[i].widen)});
+  }
+  if (segs.size() > MAX_SEGMENTS) {
+    throw std::runtime_error("too many expert segments for the native engine");
   }
   g->nseg = int(segs.size());
   check(cudaMalloc(&g->segs, segs.size() * sizeof(SegDesc)), "cudaMalloc");
@@ -225,7 +255,9 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
   }
   int npred = predicted ? int(std::min<size_t>(inputs[1].size(), g.max_pred))
                         : 0;
-  out.set_data(cu::malloc_async(out.nbytes(), enc));
+  // cu::malloc_async is not exported by libmlx; MLX puts arrays this small
+  // in unified memory anyway.
+  out.set_data(mlx::core::allocator::malloc(out.nbytes()));
   const uint32_t* pred = predicted ? mlx::core::gpu_ptr<uint32_t>(inputs[1])
                                    : nullptr;
   for (auto& a : inputs) {
@@ -233,8 +265,8 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
   }
   enc.set_output_array(out);
   enc.add_kernel_node(
-      export_ids, dim3(1), dim3(256), mlx::core::gpu_ptr<uint32_t>(inds), g.ids,
-      int(n), pred, g.pred, npred);
+      kernels().export_ids, dim3(1), dim3(256),
+      mlx::core::gpu_ptr<uint32_t>(inds), g.ids, int(n), pred, g.pred, npred);
   int tokens = int(n / std::max<int64_t>(1, inds.shape(-1)));
   enc.set_input_array(out);
   enc.set_output_array(out);
@@ -247,10 +279,14 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
   }
   enc.set_input_array(out);
   enc.set_output_array(out);
+  SlotPtrs dsts{};
+  for (int i = 0; i < g.nseg; i++) {
+    dsts.p[i] = static_cast<uint8_t*>(mlx::core::gpu_ptr<void>(c.slots[i]));
+  }
   enc.add_kernel_node(
-      apply_plan, dim3(32, g.max_stage), dim3(256), g.plan, g.stage,
-      c.record_nbytes, g.segs, g.nseg, g.out, mlx::core::gpu_ptr<uint32_t>(out),
-      int(n));
+      kernels().apply_plan, dim3(32, g.max_stage), dim3(256), g.plan, g.stage,
+      c.record_nbytes, g.segs, dsts, g.nseg, g.out,
+      mlx::core::gpu_ptr<uint32_t>(out), int(n));
 }
 
 void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {

@@ -97,6 +97,7 @@ uint32_t crc32(const uint8_t* p, size_t n, uint32_t crc) {
 
 ExpertCache::ExpertCache(
     const std::string& path,
+    int layer,
     int64_t data_offset,
     int64_t stride,
     int64_t record_nbytes,
@@ -109,6 +110,7 @@ ExpertCache::ExpertCache(
     double decay,
     int max_pairs)
     : path_(path),
+      layer_(layer),
       num_experts(num_experts),
       capacity(capacity),
       max_pairs(max_pairs),
@@ -124,8 +126,7 @@ ExpertCache::ExpertCache(
       score_(num_experts, 0.0),
       slot_of_(num_experts, -1),
       expert_in_(capacity, -1),
-      prefetched_(num_experts, 0),
-      staging_(record_nbytes) {
+      prefetched_(num_experts, 0) {
   if (capacity < 1 || capacity > num_experts) {
     throw std::invalid_argument("capacity must be in 1..num_experts");
   }
@@ -147,7 +148,8 @@ ExpertCache::~ExpertCache() {
   }
 }
 
-void ExpertCache::bind(std::vector<mx::array> s) {
+void ExpertCache::bind(std::vector<mx::array> s, bool gpu_slots) {
+  on_gpu = gpu_slots;
   if (s.size() != segments.size()) {
     throw std::invalid_argument("one slot array per segment is needed");
   }
@@ -169,24 +171,39 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
       continue;
     }
     if (n <= 0) {
+      // The Python engine's words (ExpertReadError), so both read alike.
+      std::string where = "Cannot read expert " + std::to_string(expert) +
+          " of layer " + std::to_string(layer_) + " from " + path_;
       throw std::runtime_error(
-          n < 0 ? os_error(
-                      "Cannot read expert " + std::to_string(expert) +
-                      " from " + path_)
-                : "Expert " + std::to_string(expert) + " lies past the end of " +
-                  path_ + "; convert again.");
+          n < 0 ? os_error(where)
+                : where + ": the record lies past the end of the file; "
+                          "convert again.");
     }
     done += n;
   }
   if (verify_ && !verified_[expert]) {
     if (crc32(dst, record_nbytes) != checksums_[expert]) {
       throw std::runtime_error(
-          "Expert " + std::to_string(expert) + " in " + path_ +
+          "Expert " + std::to_string(expert) + " of layer " +
+          std::to_string(layer_) + " in " + path_ +
           " fails its checksum; the file is corrupted: convert again.");
     }
     verified_[expert] = 1;
   }
   counters.bytes_read += record_nbytes;
+}
+
+void ExpertCache::staged(
+    int expert,
+    const std::function<void(const uint8_t*)>& use) {
+  static std::mutex mutex;
+  static std::vector<uint8_t> record;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (record.size() < size_t(record_nbytes)) {
+    record.resize(record_nbytes);
+  }
+  read_record(expert, record.data());
+  use(record.data());
 }
 
 void ExpertCache::fill_host(const uint8_t* record, int slot) {
@@ -286,7 +303,6 @@ void ExpertCache::resolve(
   if (int(unique.size()) > capacity) {
     throw std::runtime_error("more routed experts than slots in one call");
   }
-  counters.calls += 1;
   for (int e : unique) {
     if (prefetched_[e]) {
       counters.prefetched_used += 1;
@@ -321,14 +337,14 @@ void ExpertCache::resolve(
 void ExpertCache::load(const std::vector<int>& experts, int tokens) {
   std::vector<uint32_t> ids(experts.begin(), experts.end());
   std::vector<uint32_t> out(ids.size());
-  bool host = slots.empty() || !gpu;
   resolve(ids.data(), ids.size(), tokens, out.data(), [&](int e, int s) {
-    read_record(e, staging_.data());
-    if (host) {
-      fill_host(staging_.data(), s);
-    } else {
-      gpu_load_copy(*this, staging_.data(), s);
-    }
+    staged(e, [&](const uint8_t* record) {
+      if (on_gpu) {
+        gpu_load_copy(*this, record, s);
+      } else {
+        fill_host(record, s);
+      }
+    });
   });
 }
 
@@ -370,9 +386,9 @@ void ExpertFetch::eval_cpu(
     auto* ids = inds.data<uint32_t>();
     auto* slots = out.data<uint32_t>();
     auto& c = *cache;
+    c.counters.calls += 1;
     c.resolve(ids, n, tokens, slots, [&](int e, int s) {
-      c.read_record(e, c.staging());
-      c.fill_host(c.staging(), s);
+      c.staged(e, [&](const uint8_t* record) { c.fill_host(record, s); });
     });
     if (predicted && c.next()) {
       c.next()->hint(predicted->data<uint32_t>(), predicted->size());

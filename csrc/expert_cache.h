@@ -29,6 +29,7 @@ struct Segment {
 
 struct Counters {
   std::atomic<int64_t> hits{0}, misses{0}, evictions{0}, bytes_read{0};
+  // calls: fetches resolved inside the stream (not host-side loads)
   std::atomic<int64_t> calls{0}, prefetched{0}, prefetched_used{0};
   std::atomic<int64_t> misses_prefetched{0}, prefetch_bytes{0};
 };
@@ -43,6 +44,7 @@ class ExpertCache {
  public:
   ExpertCache(
       const std::string& path,
+      int layer,
       int64_t data_offset,
       int64_t stride,
       int64_t record_nbytes,
@@ -57,7 +59,7 @@ class ExpertCache {
   ~ExpertCache();
 
   // The slot arrays, one per segment, `[capacity (+ spare), ...]`, evaluated.
-  void bind(std::vector<mx::array> slots);
+  void bind(std::vector<mx::array> slots, bool on_gpu);
   void chain(std::shared_ptr<ExpertCache> next) {
     next_ = std::move(next);
   }
@@ -66,6 +68,10 @@ class ExpertCache {
   // reading the misses; `write` copies a record into a slot.
   void resolve(const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
                const std::function<void(int, int)>& write);
+  // Read `expert` into one host staging record shared by every layer (reads
+  // run one at a time: the stream's, or the host's after a synchronize),
+  // then hand it to `use`.
+  void staged(int expert, const std::function<void(const uint8_t*)>& use);
   // Host-side read of a record into `dst` (record_nbytes), verified once.
   void read_record(int expert, uint8_t* dst);
   // Copy a read record into slot memory on the host (CPU slots).
@@ -80,11 +86,8 @@ class ExpertCache {
   std::vector<int> table() const;
   void forget_all();
 
-  uint8_t* staging() {
-    return staging_.data();
-  }
-
   const std::string path_;
+  const int layer_;
   Counters counters;
   std::string error; // the first read error of a stream-side fetch
   std::mutex error_mutex;
@@ -93,6 +96,7 @@ class ExpertCache {
   int num_experts, capacity, max_pairs;
   int64_t record_nbytes;
   std::vector<mx::array> slots;
+  bool on_gpu{false};
   std::vector<Segment> segments;
   std::shared_ptr<GpuState> gpu; // made by the first GPU fetch
 
@@ -112,7 +116,6 @@ class ExpertCache {
   std::vector<int> expert_in_; // slot -> expert, -1 when free
   std::vector<int> free_;
   std::vector<char> prefetched_; // hinted since its last call
-  std::vector<uint8_t> staging_;
   std::shared_ptr<ExpertCache> next_;
 
  public:

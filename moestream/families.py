@@ -4,14 +4,19 @@ mlx-lm implements each family; moestream only needs to know where a family's
 checkpoint keeps a layer's tensors and what mlx-lm's `sanitize` must see to
 convert hub names when it is given one layer at a time (every mlx-lm MoE block
 calls a `SwitchGLU`, found by type, not by name). Adding a family is one
-`Family` entry here, a hub-layout builder in synthetic.py and a test case in
-tests/test_families.py.
+`Family` entry here, a hub-layout builder in tests/builders/synthetic.py and a
+test case in tests/test_families.py; where transformers 5 has a class for it,
+also the RoPE its mlx-lm code implements (converter/hfconfig.py `ROPE`), its
+fused-save names (converter/layouts.py) and a case in
+tests/test_transformers5.py.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import Callable, Iterable
+import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -20,15 +25,8 @@ from mlx.utils import tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes, infer_quant_config
 
-# The dtypes tensors are stored in, by the names the manifest uses.
-DTYPE_NAMES = {
-    mx.uint8: "uint8",
-    mx.uint32: "uint32",
-    mx.float16: "float16",
-    mx.bfloat16: "bfloat16",
-    mx.float32: "float32",
-}
-
+# The stored dtypes by manifest name; re-exported for runtime/store.py.
+from .formats.dtypes import DTYPE_NAMES as DTYPE_NAMES
 
 # Far above any released model (the deepest have about 130 layers).
 MAX_LAYERS = 1024
@@ -105,7 +103,9 @@ FAMILIES: dict[str, Family] = {
             layer_pattern=r"^model\.language_model\.layers\.(\d+)\.",
             probe=r"\.linear_attn\.conv1d\.weight$",
         ),
-        Family("mixtral", probe=r"\.block_sparse_moe\.experts\."),
+        # experts under block_sparse_moe on the hub, under mlp in a
+        # transformers >= 5 fused save: both are probed
+        Family("mixtral", probe=r"\.(block_sparse_moe|mlp)\.experts\."),
         Family("olmoe", probe=r"\.mlp\.experts\."),
         Family("deepseek"),
         Family("deepseek_v2"),
@@ -114,15 +114,15 @@ FAMILIES: dict[str, Family] = {
         Family("glm4_moe"),
         Family("glm4_moe_lite"),
         Family("dots1"),
-        Family("minimax_m2", probe=r"\.block_sparse_moe\.experts\."),
-        Family("phimoe", probe=r"\.block_sparse_moe\.experts\."),
+        Family("minimax_m2", probe=r"\.(block_sparse_moe|mlp)\.experts\."),
+        Family("phimoe", probe=r"\.(block_sparse_moe|mlp)\.experts\."),
         Family("llama4", layer_pattern=r"^language_model\.model\.layers\.(\d+)\."),
         Family("ernie4_5_moe", top_k_key="moe_k"),
         Family("hunyuan", probe=r"\.mlp\.experts\.", top_k_key="moe_topk"),
         Family("bailing_moe", probe=r"^lm_head\.weight$"),  # norm_head
         Family(
             "granitemoe",
-            probe=r"\.block_sparse_moe\.(input|output)_linear\.",
+            probe=r"\.(block_sparse_moe|mlp)\.(input_linear|output_linear|experts)\.",
             probe_all_layers=True,
         ),
         Family("gpt_oss"),
@@ -145,27 +145,70 @@ def get_family(config: dict) -> Family:
     return FAMILIES[model_type]
 
 
+def mlx_lm_classes(config: dict) -> tuple[type[nn.Module], type]:
+    """The family's mlx-lm (Model, ModelArgs) classes.
+
+    The one call of mlx-lm's private `_get_classes`; tests/test_families.py
+    checks it still takes a config and returns these two.
+    """
+    return _get_classes(config)
+
+
 def build_model(config: dict) -> nn.Module:
     """The family's mlx-lm model with lazily initialised (never evaluated) weights."""
     get_family(config)
     _check_layer_count(config)
     try:
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = mlx_lm_classes(config)
         return model_class(args_class.from_dict(config))
-    except (
-        TypeError,
-        ValueError,
-        KeyError,
-        IndexError,
-        ArithmeticError,
-        AssertionError,
-    ) as e:
-        # a hostile or broken config.json: mlx-lm's model code fails in many ways
-        detail = " ".join(f"{type(e).__name__} {e}".split())
-        raise UnsupportedModelError(
-            f"config.json does not describe a valid {config['model_type']} model "
-            f"({detail}); check the config."
-        ) from None
+    except Exception as e:  # mlx-lm's model code fails on a bad config in many ways
+        raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
+
+
+def model_args(config: dict) -> dict[str, inspect.Parameter]:
+    """The fields of the family's mlx-lm ModelArgs (what it reads of config.json)."""
+    get_family(config)
+    try:
+        _, args_class = mlx_lm_classes(config)
+        return dict(inspect.signature(args_class).parameters)
+    except Exception as e:  # a hostile config.json (e.g. a non-list architectures)
+        raise UnsupportedModelError(_build_error(config["model_type"], e)) from None
+
+
+def _build_error(model_type: str, e: Exception) -> str:
+    """One line naming the config key mlx-lm failed on, where it can be told."""
+    detail = " ".join(f"{type(e).__name__}: {e}".split())
+    key = _missing_argument(e) or _key_read(e)
+    where = f" at {key}" if key else ""
+    return (
+        f"mlx-lm cannot build a {model_type} model from config.json{where} "
+        f"({detail}); check {key or 'the config'} in config.json."
+    )
+
+
+def _missing_argument(e: Exception) -> str | None:
+    """ModelArgs(...) without a required key: TypeError names it."""
+    m = re.search(r"required (?:positional|keyword-only) arguments?: '(\w+)'", str(e))
+    return m.group(1) if m else None
+
+
+def _key_read(e: Exception) -> str | None:
+    """The config key read on the failing line of mlx-lm's model code."""
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if "mlx_lm" in f.filename.replace("\\", "/").split("/")
+    ]
+    if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str):
+        key = e.args[0]
+        line = frames[-1].line if frames else ""
+        m = re.search(rf"(?:config|args)\.(\w+)\[[\"']{re.escape(key)}", line or "")
+        return f"{m.group(1)}.{key}" if m else key
+    for frame in reversed(frames):
+        m = re.search(r"\b(?:config|args)\.(\w+)", frame.line or "")
+        if m:
+            return m.group(1)
+    return None
 
 
 def _check_layer_count(config: dict) -> None:
@@ -247,6 +290,3 @@ def layer_index(module_path: str) -> int:
             f"Cannot tell the layer of expert module {module_path}."
         )
     return int(m.group(1))
-
-
-QuantPredicate = Callable[[str, nn.Module], bool | dict]

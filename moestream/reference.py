@@ -1,12 +1,14 @@
 """The correctness oracle: mlx-lm's fully resident model on the same weights.
 
 `resident_model` builds it from the *source* checkpoint with mlx-lm alone
-(load, cast, quantize_model with the recipe's predicate), so it checks the
-converter and the runtime at once: the streaming model's logits must equal it
-bit for bit. An MLX-quantized source is loaded by mlx-lm as stored; only the
-expert projections whose bits differ from the recipe are dequantized and
-quantized again. `resident_from_converted` loads every expert of a converted
-directory instead: the same weights, fully in memory (the speed reference).
+(load, cast, quantize_model with the recipe's predicate), from the config the
+converter writes (transformers 5's keys where mlx-lm reads them, hfconfig.py),
+so it checks the converter and the runtime at once: the streaming model's
+logits must equal it bit for bit. An MLX-quantized source is loaded by mlx-lm
+as stored; only the expert projections whose bits differ from the recipe are
+dequantized and quantized again. `resident_from_converted` loads every expert
+of a converted directory instead: the same weights, fully in memory (the speed
+reference).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import load as mlx_load
 from mlx_lm.utils import load_config, quantize_model
 
+from .converter.hfconfig import normalize_config
 from .converter.pack import quant_predicate, source_dtype
+from .converter.source import resolve
 from .families import (
-    DTYPE_NAMES,
     build_model,
     cast_floating,
     layer_index,
@@ -33,6 +36,7 @@ from .families import (
     switch_modules,
 )
 from .formats import BlobReader, Recipe, load_manifest
+from .formats.dtypes import DTYPE_NAMES
 from .formats.manifest import inside
 from .runtime.loader import dense_weights, resolve_dtype
 
@@ -45,10 +49,14 @@ def resident_model(
 ) -> nn.Module:
     """mlx-lm model of `source`: cast to `dtype`, quantized by `recipe`, resident."""
     recipe = recipe or Recipe()
-    model, _, config = mlx_load(str(source), lazy=True, return_config=True)
+    path, _ = resolve(str(source))
+    shipped = load_config(path)
+    # the config the converter writes: transformers 5's keys where mlx-lm reads them
+    model, _, config = mlx_load(
+        str(path), model_config=normalize_config(shipped), lazy=True, return_config=True
+    )
     # load sets "quantization" for hub-quantized sources too (gpt_oss's MXFP4);
     # an MLX checkpoint is one whose own config.json has it
-    shipped = load_config(Path(source)) if Path(source).is_dir() else config
     if isinstance(shipped.get("quantization"), dict):  # an MLX checkpoint
         cast_floating(model, getattr(mx, dtype or _scales_dtype(model)))
         _requantize_experts(model, recipe)

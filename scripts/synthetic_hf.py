@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
-from moestream.synthetic import large_qwen3_moe
-from moestream.synthetic_sources import rewrite_shards
+# The checkpoint builders are dev-only: they live with the tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from builders.synthetic import large_qwen3_moe
+from builders.synthetic_sources import rewrite_shards
 
 
 def main() -> None:

@@ -1,17 +1,14 @@
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
+from builders.synthetic import tiny_qwen3_moe
+from helpers import BITS
 
 from moestream.converter import convert
 from moestream.formats import Recipe
-from moestream.synthetic import tiny_qwen3_moe
-
-# Mixed bits on purpose: every projection width must survive the round trip.
-BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +43,8 @@ def copy(converted: Path, tmp_path: Path) -> Path:
     return out
 
 
-def edit_manifest(out: Path, fn) -> None:
-    path = out / "manifest.json"
-    d = json.loads(path.read_text())
-    fn(d)
-    path.write_text(json.dumps(d))
+def pytest_configure(config: pytest.Config) -> None:
+    # pyproject.toml lists `slow`; `device` is registered here
+    config.addinivalue_line(
+        "markers", "device: needs an accelerator (a GPU); skipped without one"
+    )

@@ -98,7 +98,8 @@ def test_capacity_for_budget_rows():
     assert capacity_for(100, 64, 8) == 64
 
 
-def test_bench_cli_prints_ratio_table(synthetic):
+def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
+    figure = tmp_path / "bench.png"
     r = CliRunner().invoke(
         moestream_cli,
         [
@@ -115,9 +116,12 @@ def test_bench_cli_prints_ratio_table(synthetic):
             "--compare",
             "policy=lru,whole_calls=true",
             "--json",
+            "--plot",
+            str(figure),
         ],
     )
     assert r.exit_code == 0, r.output
+    assert figure.read_bytes()[:4] == b"\x89PNG"
     result = json.loads(r.stdout[r.stdout.index("{") :])
     rows = {(x["row"], x["mode"]): x for x in result["rows"]}
     assert set(rows) == {
@@ -173,3 +177,30 @@ def test_bench_prompt_is_the_packaged_text(converted):
     assert len(ids) == 16 and ids == tok.encode(text[:200])[:16]
     long = prompt_ids(tok, 5000)  # longer than the text: repeated
     assert len(long) == 5000 and long[:16] == ids
+
+
+def test_bench_group_runs_replay_and_keeps_bench_out(converted: Path, tmp_path: Path):
+    """`moestream bench replay` prints each policy's hit rate and Belady's,
+    which no policy beats; `bench OUT` still means `bench run OUT`."""
+    text = tmp_path / "text.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    r = CliRunner().invoke(
+        moestream_cli,
+        [
+            "bench",
+            "replay",
+            str(converted),
+            str(text),
+            "--tokens",
+            "64",
+            "--slots",
+            "3,5",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    rows = [line for line in r.output.splitlines() if line.startswith("| 3 |")]
+    (row,) = rows
+    rates = [float(x) for x in row.strip("| ").split(" | ")[1:]]
+    assert all(0 < x <= rates[-1] for x in rates[:-1])  # Belady is the bound
+    r = CliRunner().invoke(moestream_cli, ["bench", str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "bench run" in r.output

@@ -4,27 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from helpers import PROMPT, generated, logits_stepwise
 
 import moestream
 
 # top_k, in between, all experts of the tiny model (8, top-2)
 CACHE_SIZES = [2, 5, 8]
-PROMPT = mx.array([[(7 * i + 3) % 300 for i in range(48)]])
-
-
-def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
-    """Prefill `prompt`, then feed greedy tokens one at a time with a KV cache."""
-    cache = make_prompt_cache(model)
-    out = [model(prompt, cache=cache)]
-    token = mx.argmax(out[-1][:, -1], axis=-1, keepdims=True)
-    for _ in range(steps):
-        out.append(model(token, cache=cache))
-        token = mx.argmax(out[-1][:, -1], axis=-1, keepdims=True)
-    mx.eval(out)
-    return out
 
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
@@ -72,15 +57,14 @@ def test_plan_memory_splits_the_budget(converted, monkeypatch):
     from mlx_lm.utils import load_config
 
     from moestream.formats import load_manifest
-    from moestream.runtime import BudgetError
-    from moestream.runtime import plan as memory_plan
+    from moestream.runtime import BudgetError, loader
     from moestream.runtime.loader import plan_memory
 
     m, config = load_manifest(converted), load_config(converted)
     args = (m, config, 10 << 20, mx.float32, 100 << 20, 1024)
     scaled = plan_memory(*args, 1 << 30, None)
-    assert scaled.reserve == memory_plan.RESERVE_BYTES + int(0.03 * (1 << 30))
-    monkeypatch.setattr(memory_plan, "RESERVE_FRACTION", 0.0)
+    assert scaled.reserve == loader.RESERVE_BYTES + int(0.03 * (1 << 30))
+    monkeypatch.setattr(loader, "RESERVE_FRACTION", 0.0)
     base = plan_memory(*args, None, 1)
     fixed = base.total - base.pools
     plan = plan_memory(*args, fixed + 3 * base.slot_bytes + base.slot_bytes // 2, None)
@@ -95,19 +79,6 @@ def test_memory_budget_load_is_exact(converted, reference):
     plan = moestream.runtime_of(model).plan
     assert plan.capacity == 8 and plan.total <= plan.budget
     assert mx.array_equal(model(PROMPT), reference(PROMPT)).item()
-
-
-def generated(
-    model, prompt: list[int], temp: float, seed: int, n: int = 24
-) -> list[int]:
-    mx.random.seed(seed)
-    steps = generate_step(
-        mx.array(prompt),
-        model,
-        max_tokens=n,
-        sampler=make_sampler(temp, top_p=0.9 if temp else 1.0),
-    )
-    return [t for t, _ in steps]
 
 
 @pytest.mark.parametrize("temp", [0.0, 0.9])
@@ -154,10 +125,11 @@ def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype):
 )
 def test_variants_exact(tmp_path, overrides):
     """Tied embeddings, no dense layers, float16 sources, other expert counts."""
+    from builders.synthetic import tiny_qwen3_moe
+
     from moestream.converter import convert
     from moestream.formats import Recipe
     from moestream.reference import resident_model
-    from moestream.synthetic import tiny_qwen3_moe
 
     overrides = dict(overrides)
     shards = overrides.pop("shards", 2)

@@ -1,7 +1,7 @@
 """Every family mlx-lm runs: hub layout in, logits bit-identical to mlx-lm out.
 
 Each case is a tiny random checkpoint with the hub's tensor names and config
-keys (moestream.synthetic), converted with mixed bits where the family allows,
+keys (tests/builders/synthetic.py), converted with mixed bits where the family allows,
 and compared with mlx-lm's fully resident model in prefill and decode at a
 cache below top-k (every call runs in groups) and a mid-sized one.
 """
@@ -18,15 +18,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from builders.synthetic import HUB_LAYOUTS, tiny_model, write_hf_model
+from builders.synthetic_sources import read_hf
+from helpers import BITS, PROMPT, logits_stepwise, same_files
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-from test_exactness import PROMPT, logits_stepwise
 
 import moestream
 from moestream.converter import SourceError, convert
 from moestream.families import (
     FAMILIES,
     layer_index,
+    mlx_lm_classes,
     module_at,
     replace_module,
     switch_modules,
@@ -35,10 +38,7 @@ from moestream.formats import BlobReader, Recipe, load_manifest
 from moestream.reference import resident_model
 from moestream.runtime import native
 from moestream.runtime.loader import router_predictor
-from moestream.synthetic import HUB_LAYOUTS, tiny_model, write_hf_model
-from moestream.synthetic_sources import read_hf
 
-BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
 # below top-k (2): every call runs in groups; mid: 5 of 8 experts resident
 CACHE_SIZES = [1, 5]
 DECODE_STEPS = 6
@@ -76,6 +76,23 @@ def _bits(case: Case | str) -> str | None:
 
 def test_every_family_is_registered_and_built():
     assert set(FAMILIES) == set(HUB_LAYOUTS)
+
+
+def test_mlx_lm_private_get_classes_is_as_expected():
+    """families.mlx_lm_classes wraps mlx-lm's private `_get_classes`: if mlx-lm
+    renames it or changes what it takes or returns, this fails first."""
+    import inspect
+
+    import mlx_lm.utils
+
+    get_classes = getattr(mlx_lm.utils, "_get_classes", None)
+    assert get_classes is not None, "mlx_lm.utils._get_classes is gone"
+    assert list(inspect.signature(get_classes).parameters) == ["config"]
+    for family, (config, _) in HUB_LAYOUTS.items():
+        model_class, args_class = mlx_lm_classes(config)
+        assert issubclass(model_class, nn.Module), family
+        assert model_class.__module__.startswith("mlx_lm.models."), family
+        assert callable(args_class.from_dict), family
 
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
@@ -383,8 +400,6 @@ def _changes_logits(case: Case, alter) -> None:
 def test_fused_experts_convert_byte_identical(case: Case, tmp_path):
     """Experts saved fused ([E, 2I, H] gate_up_proj + [E, H, I] down_proj, as
     transformers >= 5 saves them) convert to the same bytes as per-expert ones."""
-    from test_sources import same_files
-
     from moestream.converter.layouts import EXPERT_NAMES
 
     if case.family not in EXPERT_NAMES:

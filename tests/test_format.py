@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import edit_manifest
+from helpers import edit_manifest
 
 import moestream
 from moestream.converter import ConvertError, SourceError, convert
@@ -81,7 +81,7 @@ def test_manifest_round_trip(converted: Path) -> None:
 def test_conversion_is_deterministic(
     hf_dir: Path, converted: Path, tmp_path: Path
 ) -> None:
-    from conftest import BITS
+    from helpers import BITS
 
     again = tmp_path / "again"
     convert(str(hf_dir), again, bits=BITS, progress=False)
@@ -254,7 +254,7 @@ def test_pickle_only_source_refused(hf_dir: Path, tmp_path: Path) -> None:
 
 
 def test_missing_tensor_and_bad_shape_refused(hf_dir: Path, tmp_path: Path) -> None:
-    from moestream.synthetic import QWEN3_MOE, write_hf_model
+    from builders.synthetic import QWEN3_MOE, write_hf_model
 
     weights = dict(mx.load(str(hf_dir / "model-00001-of-00002.safetensors")))
     weights.update(mx.load(str(hf_dir / "model-00002-of-00002.safetensors")))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import BITS, edit_manifest
+from helpers import BITS, edit_manifest
 
 from moestream.cli import main as moestream_main
 from moestream.converter.cli import main as convert_main

@@ -13,32 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
+from builders.synthetic import HUB_LAYOUTS
 from click.testing import CliRunner
-from conftest import BITS
+from helpers import BITS, same_files
 
 import moestream.converter.pack as pack
+import moestream.formats.writer as writer
 from moestream.converter import ConvertError, convert
 from moestream.converter.cli import main as convert_main
 from moestream.converter.resume import ResumeError, partial_dir
-from moestream.formats import FormatError, load_manifest
-from moestream.synthetic import HUB_LAYOUTS
+from moestream.formats import FormatError, ModelWriter, load_manifest
 
 KILLER = Path(__file__).parent / "killed_convert.py"
-
-
-def files_of(directory: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(directory)): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
-def assert_identical(a: Path, b: Path) -> None:
-    fa, fb = files_of(a), files_of(b)
-    assert sorted(fa) == sorted(fb)
-    for name in fa:
-        assert fa[name] == fb[name], name
 
 
 def assert_not_valid(out: Path) -> None:
@@ -52,8 +38,8 @@ class Interrupt(BaseException):
     """Stands in for Ctrl-C / a crash at a chosen point."""
 
 
-def interrupt_after(monkeypatch, name: str, n: int) -> None:
-    original, calls = getattr(pack, name), []
+def interrupt_after(monkeypatch, name: str, n: int, owner: object = pack) -> None:
+    original, calls = getattr(owner, name), []
 
     def wrapper(*args, **kwargs):
         calls.append(1)
@@ -61,7 +47,7 @@ def interrupt_after(monkeypatch, name: str, n: int) -> None:
             raise Interrupt
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(pack, name, wrapper)
+    monkeypatch.setattr(owner, name, wrapper)
 
 
 def count_calls(monkeypatch, name: str) -> list:
@@ -95,14 +81,14 @@ def test_resume_reuses_finished_layers_byte_identical(
     assert [args[2] for args in written] == [2]  # only the unfinished layer
     assert (out / "experts/layer-000.blob").stat().st_ino == inode  # reused as is
     assert not partial_dir(out).exists()
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 def test_resume_redoes_a_damaged_layer(
     hf_dir: Path, converted: Path, tmp_path: Path, monkeypatch
 ) -> None:
     out = tmp_path / "out"
-    interrupt_after(monkeypatch, "_write_config", 1)  # both layers done
+    interrupt_after(monkeypatch, "write_config", 1, ModelWriter)  # both layers done
     with pytest.raises(Interrupt):
         convert(str(hf_dir), out, bits=BITS, progress=False)
     monkeypatch.undo()
@@ -115,7 +101,7 @@ def test_resume_redoes_a_damaged_layer(
     written = count_calls(monkeypatch, "_write_layer")
     convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
     assert [args[2] for args in written] == [2]
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 @pytest.mark.parametrize(
@@ -157,7 +143,7 @@ def test_resume_without_partial_converts(
     hf_dir: Path, converted: Path, tmp_path: Path
 ) -> None:
     convert(str(hf_dir), tmp_path / "out", bits=BITS, progress=False, resume=True)
-    assert_identical(tmp_path / "out", converted)
+    same_files(tmp_path / "out", converted)
 
 
 # -------------------------------------------------------------- real SIGKILLs
@@ -195,7 +181,7 @@ def test_sigkill_then_resume_byte_identical(
     r = CliRunner().invoke(convert_main, [str(hf_dir), str(out), "--bits", BITS])
     assert r.exit_code == 2 and "--resume" in r.output
     convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 def test_sigkill_from_outside_then_resume(
@@ -221,7 +207,7 @@ def test_sigkill_from_outside_then_resume(
         args = [str(hf_dir), str(out), "--bits", BITS, "--resume"]
         r = CliRunner().invoke(convert_main, args, catch_exceptions=False)
         assert r.exit_code == 0, r.output
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 # ------------------------------------------------------------------ disk full
@@ -277,14 +263,14 @@ def test_disk_full_is_one_clean_line(
     ]  # the half-written layer-002 blob is gone
     monkeypatch.undo()
     convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
-    assert_identical(out, converted)
+    same_files(out, converted)
 
 
 def test_disk_full_in_dense_write(hf_dir: Path, tmp_path: Path, monkeypatch) -> None:
     def full(path, arrays):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(pack, "_save_safetensors", full)
+    monkeypatch.setattr(writer, "_save_safetensors", full)
     with pytest.raises(ConvertError, match=r"No space left .*dense\.safetensors"):
         convert(str(hf_dir), tmp_path / "out", bits=BITS, progress=False)
     assert not (tmp_path / "out").exists()
@@ -298,7 +284,9 @@ def test_dense_safetensors_write_reports_enospc(tmp_path: Path) -> None:
         pytest.skip("no /dev/full")
     (tmp_path / "x.safetensors").symlink_to("/dev/full")
     with pytest.raises(OSError) as e:
-        pack._save_safetensors(tmp_path / "x.safetensors", {"a": mx.zeros((512, 512))})
+        writer._save_safetensors(
+            tmp_path / "x.safetensors", {"a": mx.zeros((512, 512))}
+        )
     assert e.value.errno == errno.ENOSPC
 
 
@@ -331,11 +319,11 @@ def _interrupted_then_resumed(src: Path, tmp_path: Path, monkeypatch, bits) -> N
     convert(str(src), out, bits=bits, progress=False, resume=True)
     moe_layers = len(load_manifest(out).layers)
     assert len(written) == moe_layers - 1  # the finished layer was reused
-    assert_identical(out, whole)
+    same_files(out, whole)
 
 
 def _family_case(family: str, tmp_path: Path, monkeypatch) -> None:
-    from moestream.synthetic import tiny_model
+    from builders.synthetic import tiny_model
 
     src = tiny_model(tmp_path / "hf", family, seed=3)
     bits = None if family == "gpt_oss" else "down_proj=6"  # MXFP4 kept as shipped
@@ -351,7 +339,7 @@ def test_resume_byte_identical_per_family(family, tmp_path, monkeypatch) -> None
 def test_resume_byte_identical_per_source_layout(
     hf_dir, layout, tmp_path, monkeypatch
 ) -> None:
-    from moestream.synthetic_sources import to_fp8, to_fused, to_mlx
+    from builders.synthetic_sources import to_fp8, to_fused, to_mlx
 
     make = {"fused": to_fused, "fp8": to_fp8, "mlx": to_mlx}[layout]
     src = make(hf_dir, tmp_path / layout)

@@ -9,8 +9,17 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from builders.synthetic import write_hf_model
+from builders.synthetic_sources import (
+    FUSED_STYLES,
+    fp8_quantizable,
+    read_hf,
+    to_fp8,
+    to_fused,
+    to_mlx,
+)
 from click.testing import CliRunner
-from conftest import BITS
+from helpers import BITS, same_files
 
 import moestream
 from moestream.converter import SourceError, convert
@@ -19,24 +28,8 @@ from moestream.converter.layouts import dequantize_fp8
 from moestream.formats import BlobReader, load_manifest
 from moestream.formats.manifest import inside
 from moestream.reference import resident_model
-from moestream.synthetic import write_hf_model
-from moestream.synthetic_sources import (
-    FUSED_STYLES,
-    fp8_quantizable,
-    read_hf,
-    to_fp8,
-    to_fused,
-    to_mlx,
-)
 
 PROMPT = mx.array([[(5 * i + 1) % 300 for i in range(40)]])
-
-
-def same_files(a: Path, b: Path) -> None:
-    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    for f in files:
-        assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 
 def shard_of(path: Path) -> dict[str, str]:

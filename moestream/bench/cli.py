@@ -8,8 +8,9 @@ from pathlib import Path
 import click
 
 from ..errors import user_errors
+from ..options import common_options, engine_options
+from ..plot import plot_bench, pyplot
 from ..runtime.config import RuntimeConfig
-from ..runtime.pool import POLICIES
 from .harness import BenchConfig, main
 
 
@@ -27,7 +28,7 @@ def _value(text: str) -> object:
 
 
 def parse_compare(text: str) -> tuple[str, dict]:
-    """`policy=lru,whole_calls=true` -> (that label, RuntimeConfig fields)."""
+    """`prefetch=false,policy=lru` -> (that label, RuntimeConfig fields)."""
     known = {f.name for f in fields(RuntimeConfig)}
     out = {}
     for part in text.split(","):
@@ -68,21 +69,11 @@ def _floats(text: str) -> tuple[float, ...]:
 @click.option("--repeats", default=3, show_default=True, help="Decode runs per row.")
 @click.option("--prefill-repeats", default=1, show_default=True)
 @click.option(
-    "--policy", type=click.Choice(sorted(POLICIES)), default="lrfu", show_default=True
-)
-@click.option("--no-prefetch", is_flag=True)
-@click.option(
-    "--prefetch-extra",
-    default=2,
-    show_default=True,
-    help="Experts predicted beyond the router's top-k.",
-)
-@click.option(
     "--compare",
     multiple=True,
     metavar="FIELD=VALUE[,...]",
     help="Also run every budget with these RuntimeConfig fields changed, side by "
-    "side in the same repeats (repeatable), e.g. --compare policy=lru.",
+    "side in the same repeats (repeatable), e.g. --compare prefetch=false.",
 )
 @click.option("--no-verify-cost", is_flag=True, help="Skip the no-checksum row.")
 @click.option(
@@ -92,6 +83,15 @@ def _floats(text: str) -> tuple[float, ...]:
     help="mlx-lm directory of the same weights (default: stack OUT's experts).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, not a table.")
+@click.option(
+    "--plot",
+    "plot_file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Also draw the table's ratios into this image (needs moestream[plot]).",
+)
+@engine_options(exclude=("memory_budget", "cache_experts", "context", "record_trace"))
+@common_options
 def bench(
     out: str,
     budgets: str,
@@ -100,13 +100,12 @@ def bench(
     prompt_tokens: int,
     repeats: int,
     prefill_repeats: int,
-    policy: str,
-    no_prefetch: bool,
-    prefetch_extra: int,
     compare: tuple[str, ...],
     no_verify_cost: bool,
     reference: str | None,
     as_json: bool,
+    plot_file: str | None,
+    engine: dict,
 ) -> None:
     """Decode and prefill speed, hit rates and memory vs mlx-lm resident."""
 
@@ -121,15 +120,15 @@ def bench(
             prompt_tokens=prompt_tokens,
             repeats=repeats,
             prefill_repeats=prefill_repeats,
-            runtime=RuntimeConfig(
-                policy=policy,
-                prefetch=False if no_prefetch else None,
-                prefetch_extra=prefetch_extra,
-            ),
+            runtime=RuntimeConfig(**engine),
             verify_cost=not no_verify_cost,
             compare=variants,
             reference=Path(reference) if reference else None,
         )
-        main(cfg, as_json)
+        if plot_file:
+            pyplot()  # a clear error before the runs, not after
+        result = main(cfg, as_json)
+        if plot_file:
+            plot_bench(result, plot_file)
 
     user_errors(run)

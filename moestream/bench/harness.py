@@ -276,6 +276,7 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(cfg: BenchConfig, as_json: bool) -> None:
+def main(cfg: BenchConfig, as_json: bool) -> dict:
     result = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(result, indent=1) if as_json else format_table(result))
+    return result

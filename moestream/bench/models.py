@@ -22,24 +22,19 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .. import __version__
-from ..converter.pack import (
-    _DenseWriter,
-    _module_quantization,
-    _quantize_unit,
-    _write_config,
-)
+from ..converter.pack import module_quantization, quantize_unit
 from ..families import build_model, layer_index, module_at, switch_modules
 from ..formats import (
     BlobReader,
     ExpertLayer,
     Manifest,
+    ModelWriter,
     Recipe,
     layer_layout,
     load_manifest,
-    write_blob,
 )
 from ..formats.manifest import inside
-from ..synthetic import QWEN3_MOE, write_tokenizer
+from .tokenizer import write_tokenizer
 
 
 @dataclass(frozen=True)
@@ -56,7 +51,16 @@ class Scale:
 
     def config(self) -> dict:
         return {
-            **QWEN3_MOE,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "bos_token_id": 0,
+            "eos_token_id": 0,
             "hidden_size": self.hidden,
             "intermediate_size": 4 * self.hidden,
             "moe_intermediate_size": self.moe_intermediate,
@@ -96,6 +100,19 @@ def write_synthetic(
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "experts").mkdir(parents=True)
+    writer = ModelWriter(tmp)
+    try:
+        manifest = _write_into(writer, config, recipe, scale, seed)
+        writer.publish(out)
+    except BaseException:
+        shutil.rmtree(writer.directory, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_into(
+    writer: ModelWriter, config: dict, recipe: Recipe, scale: Scale, seed: int
+) -> Manifest:
     mx.random.seed(seed)
     model = build_model(config)
     switches = {p: layer_index(p) for p in switch_modules(model)}
@@ -106,37 +123,29 @@ def write_synthetic(
         for k, v in tree_flatten(model.parameters())
         if not any(k.startswith(s + ".") for s in switches)
     }
-    predicate = _module_quantization(model, recipe)
-    writer = _DenseWriter(tmp)
+    predicate = module_quantization(model, recipe)
     # No source layout: freshly initialised floats, never pre-quantized.
-    writer.add(_quantize_unit(dense, modules, predicate, quantization, None))
+    writer.add_dense(quantize_unit(dense, modules, predicate, quantization, None))
     rng = np.random.default_rng(seed)
     pool = rng.integers(0, 2**32, 1 << 24, dtype=np.uint32)  # 64 MB of random words
-    layers = []
     for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             quantization[f"{spath}.{proj}"] = recipe.expert_spec(proj, layer).to_mlx()
-        layers.append(_write_layer(tmp, spath, layer, model, quantization, pool, rng))
-    manifest = Manifest(
+        _write_layer(writer, spath, layer, model, quantization, pool, rng)
+    writer.close_tensors()
+    writer.write_config(config, quantization)
+    write_tokenizer(writer.directory)
+    return writer.write_manifest(
         model_type=config["model_type"],
         dtype="bfloat16",
         recipe=recipe,
-        layers=tuple(layers),
-        dense_files=tuple(writer.close()),
         source={"repo_id": f"synthetic:{scale}", "revision": str(seed)},
         created_by=f"moestream {__version__}",
     )
-    _write_config(tmp, config, quantization)
-    write_tokenizer(tmp)
-    manifest.save(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return manifest
 
 
 def _write_layer(
-    tmp: Path,
+    writer: ModelWriter,
     spath: str,
     layer: int,
     model: nn.Module,
@@ -156,9 +165,7 @@ def _write_layer(
         spec.append((f"{proj}.scales", "bfloat16", (o, i // gs), q))
         spec.append((f"{proj}.biases", "bfloat16", (o, i // gs), q))
     entry = layer_layout(layer, spath, num_experts, spec)
-    records = _records(entry, shapes, pool, rng)
-    sums = write_blob(tmp / entry.file, entry, records)
-    return ExpertLayer(**{**entry.__dict__, "checksums": tuple(sums)})
+    return writer.add_layer(entry, _records(entry, shapes, pool, rng))
 
 
 def _records(

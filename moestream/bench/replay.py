@@ -20,16 +20,32 @@ def policy_hits(
     experts: int,
     lrfu_decay: float = RuntimeConfig.lrfu_decay,
 ) -> int:
+    return int(policy_step_hits(trace, capacity, policy, experts, lrfu_decay).sum())
+
+
+def policy_step_hits(
+    trace: np.ndarray,
+    capacity: int,
+    policy: str,
+    experts: int,
+    lrfu_decay: float = RuntimeConfig.lrfu_decay,
+) -> np.ndarray:
+    """Hits of each row of `trace` (distinct experts found resident)."""
     pool = SlotPool(min(capacity, experts), experts, policy, lrfu_decay)
-    hits = 0
-    for row in trace:
+    hits = np.zeros(len(trace), np.int64)
+    for t, row in enumerate(trace):
         unique = np.unique(row)
         _, misses = pool.assign(unique)
-        hits += len(unique) - len(misses)
+        hits[t] = len(unique) - len(misses)
     return hits
 
 
 def belady_hits(trace: np.ndarray, capacity: int) -> int:
+    return int(belady_step_hits(trace, capacity).sum())
+
+
+def belady_step_hits(trace: np.ndarray, capacity: int) -> np.ndarray:
+    """Belady's hits of each row of `trace`."""
     steps = [set(np.unique(row).tolist()) for row in trace]
     next_use: list[dict[int, int]] = [{} for _ in steps]
     last: dict[int, int] = {}
@@ -38,9 +54,9 @@ def belady_hits(trace: np.ndarray, capacity: int) -> int:
             next_use[t][e] = last.get(e, len(steps))
             last[e] = t
     resident: dict[int, int] = {}
-    hits = 0
+    hits = np.zeros(len(steps), np.int64)
     for t, wanted in enumerate(steps):
-        hits += len(wanted & resident.keys())
+        hits[t] = len(wanted & resident.keys())
         resident.update(next_use[t])
         while len(resident) > capacity:
             victim = max(

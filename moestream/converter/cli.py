@@ -5,10 +5,11 @@ from __future__ import annotations
 import click
 
 from ..errors import user_errors
+from ..options import CONTEXT, common_options
 from .pack import DTYPES, convert
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT)
 @click.argument("source")
 @click.argument("out", type=click.Path())
 @click.option(
@@ -37,6 +38,7 @@ from .pack import DTYPES, convert
     is_flag=True,
     help="Finish an interrupted conversion in OUT.partial, reusing verified layers.",
 )
+@common_options
 def main(
     source: str,
     out: str,

@@ -32,13 +32,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import infer_quant_config
 
 from ..families import (
-    DTYPE_NAMES,
     build_model,
     layer_index,
     quantize_as_configured,
     switch_modules,
 )
 from ..formats import Recipe
+from ..formats.dtypes import DTYPE_NAMES
 from ..formats.recipe import LayerOverride, RecipeError
 from .source import Source, SourceError
 
@@ -54,7 +54,8 @@ FP8_BLOCK = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 default weight_block_size
 
 @dataclass(frozen=True)
 class ExpertNames:
-    """A family's per-expert projection names, which fused tensors are split into."""
+    """A family's per-expert projection names, which fused tensors are split into,
+    and the other names a transformers >= 5 fused save changes."""
 
     gate: str = "gate_proj"
     up: str = "up_proj"
@@ -64,6 +65,10 @@ class ExpertNames:
     # fused container suffix -> per-expert one, where a family's differ
     # (e.g. {"mlp.experts": "block_sparse_moe.experts"})
     containers: tuple[tuple[str, str], ...] = ()
+    # a fused save's name inside a decoder layer -> the hub's (routers, biases)
+    renames: tuple[tuple[str, str], ...] = ()
+    # split fused experts per expert (False: the hub stacks them too, renamed)
+    split: bool = True
 
     def per_expert(self, container: str) -> str:
         for fused, per_expert in self.containers:
@@ -71,27 +76,105 @@ class ExpertNames:
                 return container.removesuffix(fused) + per_expert
         return container
 
+    def rename(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """A fused save's router and bias names, as the hub has them."""
+        if not self.renames:
+            return weights
+        table = dict(self.renames)
+        out = {}
+        for k, v in weights.items():
+            m = re.match(r"^(.*?\.layers\.\d+\.)(.+)$", k)
+            out[m.group(1) + table[m.group(2)] if m and m.group(2) in table else k] = v
+        return out
 
-# Families whose fused expert tensors are split here; a family whose own
-# sanitize reads its fused tensors (gpt_oss, qwen3_5_moe, llama4) stays out.
-# Extend per family.
-EXPERT_NAMES: dict[str, ExpertNames] = dict.fromkeys(
-    [
-        "qwen3_moe",
-        "qwen2_moe",
-        "qwen3_next",
-        "olmoe",
-        "deepseek",
-        "deepseek_v2",
-        "deepseek_v3",
-        "kimi_k2",
-        "dots1",
-        "ernie4_5_moe",
-        "hunyuan",
-        "bailing_moe",
-    ],
-    ExpertNames(),
-)
+    def describe(self) -> str:
+        """The expert layouts read for this family (for error messages)."""
+        hub = self.containers[0][1] if self.containers else "mlp.experts"
+        fused = self.containers[0][0] if self.containers else "mlp.experts"
+        if not self.split:
+            return (
+                f"the hub's {', '.join(h for _, h in self.renames[:3])}, and "
+                f"transformers >= 5's {', '.join(f for f, _ in self.renames[:3])}"
+            )
+        return (
+            f"per-expert {hub}.{{e}}.{{{self.gate},{self.up},{self.down}}}.weight; "
+            f"fused {fused}.{self.gate_up} [E, 2I, H] + {fused}.down_proj [E, H, I] "
+            "(transformers >= 5) or transposed; stacked "
+            f"{hub}.{{{self.gate},{self.up},{self.down}}}.weight [E, out, in]"
+        )
+
+
+# Families whose per-expert names are the default ones; a family whose own
+# sanitize reads its fused tensors (qwen3_5_moe, llama4) stays out. Extend per
+# family.
+EXPERT_NAMES: dict[str, ExpertNames] = {
+    **dict.fromkeys(
+        [
+            "qwen3_moe",
+            "qwen2_moe",
+            "qwen3_next",
+            "olmoe",
+            "deepseek",
+            "deepseek_v2",
+            "deepseek_v3",
+            "kimi_k2",
+            "glm4_moe",
+            "glm4_moe_lite",
+            "dots1",
+            "hunyuan",
+            "bailing_moe",
+        ],
+        ExpertNames(),
+    ),
+    "ernie4_5_moe": ExpertNames(
+        renames=(
+            (
+                "mlp.gate.moe_statics.e_score_correction_bias",
+                "mlp.moe_statics.e_score_correction_bias",
+            ),
+        )
+    ),
+}
+# transformers >= 5 moves Mixtral-style blocks from block_sparse_moe to mlp.
+_MIXTRAL_STYLE = {
+    "gate": "w1",
+    "up": "w3",
+    "down": "w2",
+    "containers": (("mlp.experts", "block_sparse_moe.experts"),),
+}
+_GRANITE = {
+    f"{block}.{fused}": f"block_sparse_moe.{hub}"
+    for block in ("block_sparse_moe", "mlp")
+    for fused, hub in (
+        ("router.weight", "router.layer.weight"),
+        ("experts.gate_up_proj", "input_linear.weight"),
+        ("experts.down_proj", "output_linear.weight"),
+    )
+}
+# Families whose hub names differ from the default ones.
+HUB_EXPERT_NAMES: dict[str, ExpertNames] = {
+    "mixtral": ExpertNames(
+        **_MIXTRAL_STYLE,
+        renames=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),),
+    ),
+    "phimoe": ExpertNames(
+        **_MIXTRAL_STYLE,
+        renames=(("mlp.router.weight", "block_sparse_moe.gate.weight"),),
+    ),
+    "minimax_m2": ExpertNames(
+        **_MIXTRAL_STYLE,
+        renames=(
+            ("mlp.gate.weight", "block_sparse_moe.gate.weight"),
+            ("mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias"),
+        ),
+    ),
+    # the hub stacks granite's experts as transformers does, under other names
+    "granitemoe": ExpertNames(renames=tuple(_GRANITE.items()), split=False),
+}
+
+
+def expert_names(model_type: str) -> ExpertNames | None:
+    return EXPERT_NAMES.get(model_type) or HUB_EXPERT_NAMES.get(model_type)
 
 
 class Layout:
@@ -102,22 +185,49 @@ class Layout:
         self.src = src
         self.config = src.config
         self.fused = False
+        self.interleaved = False
         # the dtype floating weights are cast to (set by the converter)
         self.dtype: mx.Dtype | None = None
 
     def describe(self) -> str:
+        if self.interleaved:
+            return "fused expert tensors (gate and up interleaved)"
         return "fused expert tensors" if self.fused else "per-expert tensors"
 
     def normalize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """One layer's source tensors, renamed for the family's sanitize (lazy)."""
-        names = EXPERT_NAMES.get(self.config.get("model_type", ""))
+        model_type = self.config.get("model_type", "")
+        if model_type == "gpt_oss":
+            return self._interleaved(weights)
+        names = expert_names(model_type)
         if names is None:
             return weights
-        fused = _fused_tensors(weights, names)
+        weights = names.rename(weights)
+        fused = _fused_tensors(weights, names) if names.split else {}
         if fused:
             self.fused = True
             weights = _split_fused(weights, fused, names, _expert_shapes(self.model))
         return weights
+
+    def _interleaved(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Unquantized gpt_oss experts as transformers stores them."""
+        if not any(k.endswith(GPT_OSS_FUSED) for k in weights):
+            return weights
+        self.fused = True
+        self.interleaved = True
+        return _split_interleaved(weights, _expert_shapes(self.model))
+
+    def tried(self) -> str:
+        """The expert layouts this family is read in (for error messages)."""
+        model_type = self.config.get("model_type", "")
+        if model_type == "gpt_oss":
+            return (
+                "MXFP4 mlp.experts.{gate_up,down}_proj_{blocks,scales} (the hub); "
+                "unquantized mlp.experts.gate_up_proj [E, H, 2I] (gate and up "
+                "interleaved) + down_proj [E, I, H] and their _bias (transformers)"
+            )
+        names = expert_names(model_type)
+        return names.describe() if names else "the hub's names, as mlx-lm reads them"
 
     def expected_shapes(self, weights: Mapping[str, mx.array]) -> dict[str, tuple]:
         """Parameter shapes the sanitized source must have (the unquantized model)."""
@@ -438,14 +548,22 @@ def detect(model: nn.Module, src: Source) -> Layout:
 def _fused_tensors(
     weights: Mapping[str, mx.array], names: ExpertNames
 ) -> dict[str, tuple[str, str]]:
-    """Fused tensor name -> (experts container, projection) for 3-D expert tensors."""
-    projs = "|".join(map(re.escape, (names.gate_up, names.gate, names.up, names.down)))
+    """Fused tensor name -> (experts container, projection) for 3-D expert tensors;
+    the projection is the family's per-expert name, or its gate_up."""
+    targets = {
+        names.gate_up: names.gate_up,
+        "down_proj": names.down,  # transformers' name whatever the family's
+        names.gate: names.gate,
+        names.up: names.up,
+        names.down: names.down,
+    }
+    projs = "|".join(map(re.escape, targets))
     pattern = re.compile(rf"^(.+\.experts)\.({projs})(?:\.weight)?$")
     found = {}
     for k, v in weights.items():
         m = pattern.match(k)
         if m and v.ndim == 3:
-            found[k] = (m.group(1), m.group(2))
+            found[k] = (m.group(1), targets[m.group(2)])
     return found
 
 
@@ -455,6 +573,22 @@ def _expert_shapes(model: nn.Module) -> dict[int, tuple[int, int, int]]:
         layer_index(p): tuple(m.gate_proj.weight.shape)
         for p, m in switch_modules(model).items()
     }
+
+
+def _layer_shape(
+    container: str, shapes: dict[int, tuple[int, int, int]]
+) -> tuple[int, int, int]:
+    """A layer's expert shape; layers past the last (multi-token prediction,
+    dropped by the family's sanitize) mirror the last MoE layer."""
+    layer = layer_index(container)
+    if layer in shapes:
+        return shapes[layer]
+    if shapes and layer > max(shapes):
+        return shapes[max(shapes)]
+    raise SourceError(
+        f"Fused experts {container} are in layer {layer}, which config.json "
+        "makes a dense layer; the checkpoint and its config do not match."
+    )
 
 
 def _split_fused(
@@ -467,13 +601,7 @@ def _split_fused(
     for key, (container, proj) in fused.items():
         by_container[container][proj] = key
     for container, projs in by_container.items():
-        layer = layer_index(container)
-        if layer not in shapes:
-            raise SourceError(
-                f"Fused experts {container} are in layer {layer}, which config.json "
-                "makes a dense layer; the checkpoint and its config do not match."
-            )
-        e, i, h = shapes[layer]
+        e, i, h = _layer_shape(container, shapes)
         # out-in ([E, out, in], as nn.Linear) or in-out (transposed) layout
         out_in = {names.gate_up: (2 * i, h), names.gate: (i, h), names.up: (i, h)}
         out_in[names.down] = (h, i)
@@ -513,4 +641,49 @@ def _split_fused(
             for target, stacked in parts.items():
                 for x in range(e):
                     weights[f"{out}.{x}.{target}.weight"] = stacked[x]
+    return weights
+
+
+# Unquantized gpt_oss experts as transformers stores them (GptOssExperts).
+GPT_OSS_FUSED = ".mlp.experts.gate_up_proj"
+
+
+def _split_interleaved(
+    weights: dict[str, mx.array], shapes: dict[int, tuple[int, int, int]]
+) -> dict[str, mx.array]:
+    """gpt_oss's `gate_up_proj` [E, H, 2I] (gate = [..., ::2], up = [..., 1::2]),
+    `down_proj` [E, I, H] (x @ W, not W @ x) and their biases -> the stacked
+    [E, out, in] names mlx-lm's sanitize hands through unchanged."""
+    for key in [k for k in weights if k.endswith(GPT_OSS_FUSED)]:
+        container = key.removesuffix(".gate_up_proj")
+        e, i, h = _layer_shape(container, shapes)
+        want = {
+            "gate_up_proj": (e, h, 2 * i),
+            "down_proj": (e, i, h),
+            "gate_up_proj_bias": (e, 2 * i),
+            "down_proj_bias": (e, h),
+        }
+        t = {}
+        for name, shape in want.items():
+            full = f"{container}.{name}"
+            if full not in weights:
+                raise SourceError(
+                    f"Checkpoint has {key} but no {full}; download the complete "
+                    "checkpoint."
+                )
+            if tuple(weights[full].shape) != shape:
+                raise SourceError(
+                    f"Fused expert tensor {full} has shape "
+                    f"{tuple(weights[full].shape)}; config.json implies {shape} "
+                    "(transformers' gpt_oss layout). The checkpoint and its config "
+                    "do not match."
+                )
+            t[name] = weights.pop(full)
+        gate_up, bias = t["gate_up_proj"], t["gate_up_proj_bias"]
+        weights[f"{container}.gate_proj.weight"] = gate_up[..., ::2].swapaxes(-1, -2)
+        weights[f"{container}.up_proj.weight"] = gate_up[..., 1::2].swapaxes(-1, -2)
+        weights[f"{container}.down_proj.weight"] = t["down_proj"].swapaxes(-1, -2)
+        weights[f"{container}.gate_proj.bias"] = bias[..., ::2]
+        weights[f"{container}.up_proj.bias"] = bias[..., 1::2]
+        weights[f"{container}.down_proj.bias"] = t["down_proj_bias"]
     return weights

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import json
 import logging
 import math
 import os
@@ -30,7 +29,6 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..families import (
-    DTYPE_NAMES,
     Family,
     build_model,
     get_family,
@@ -41,14 +39,15 @@ from ..families import (
 from ..formats import (
     ExpertLayer,
     Manifest,
+    ModelWriter,
     Recipe,
     layer_layout,
     pack_record,
-    write_blob,
 )
-from ..formats.manifest import MANIFEST_NAME, PAGE_SIZE
-from ..formats.verify import file_checksum
+from ..formats.dtypes import DTYPE_NAMES, FLOAT_DTYPES
+from ..formats.manifest import PAGE_SIZE
 from ..units import human_bytes, peak_rss
+from .hfconfig import rope_notes
 from .layouts import Layout, detect
 from .resume import (
     JOURNAL_NAME,
@@ -62,8 +61,7 @@ from .source import Source, SourceError, group_by_layer, open_source
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("float32", "float16", "bfloat16")
-DENSE_SHARD_BYTES = 4 << 30
+DTYPES = FLOAT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -163,12 +161,12 @@ def convert(
     _check_recipe(recipe, model)
     partial = partial_dir(out)
     journal, done = Journal.open(partial, fingerprint(src, recipe, dtype), resume)
+    writer = ModelWriter(partial, done.values(), ignore=(JOURNAL_NAME, LOCK_NAME))
+    c = Conversion(src, family, model, layout, recipe, dtype, journal, writer, done)
     try:
-        summary = _convert_into(
-            src, family, model, layout, recipe, dtype, partial, progress, journal, done
-        )
+        summary = _convert_into(c, progress)
         journal.finish()
-        _publish(partial, out)
+        writer.publish(out)
     except BaseException as e:
         kept = journal.abandon()
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -205,7 +203,7 @@ def _disk_full(e: OSError, partial: Path, kept: bool, estimate: int) -> str:
 
 def estimate_output_bytes(model: nn.Module, recipe: Recipe) -> int:
     """About how many bytes the converted model takes (weights, scales, biases)."""
-    params = _module_quantization(model, recipe)
+    params = module_quantization(model, recipe)
     total = 0
     for path, module in model.named_modules():
         q = params(path, module)
@@ -270,96 +268,75 @@ def source_dtype(config: dict) -> str:
     return dtype if dtype in DTYPES else "float32"
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` to `out`, replacing an old `out` only at the end."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+@dataclass
+class Conversion:
+    """One conversion under way: what is read, how it is cast, where it goes."""
+
+    src: Source
+    family: Family
+    model: nn.Module
+    layout: Layout
+    recipe: Recipe
+    dtype: str
+    journal: Journal
+    writer: ModelWriter
+    # layers finished by an interrupted run, their blobs verified and kept
+    done: dict[int, ExpertLayer]
 
 
-def _convert_into(
-    src: Source,
-    family: Family,
-    model: nn.Module,
-    layout: Layout,
-    recipe: Recipe,
-    dtype: str,
-    tmp: Path,
-    progress: bool,
-    journal: Journal,
-    done: dict[int, ExpertLayer],
-) -> ConvertSummary:
-    layers, rest = group_by_layer(list(src.files), family.layer_of)
+def _convert_into(c: Conversion, progress: bool) -> ConvertSummary:
+    src, model, layout = c.src, c.model, c.layout
+    layers, rest = group_by_layer(list(src.files), c.family.layer_of)
     units = [*layers.values(), rest]
     modules = dict(model.named_modules())
     switches = {p: layer_index(p) for p in switch_modules(model)}
-    lent = layout.normalize(src.lend(family.probe_names(src.files)))
-    _check_coverage(src, family, model, layout, units, lent)
-    predicate = _module_quantization(model, recipe, layout.quantizes_dense())
-    quantization: dict = recipe.dense.to_mlx()
-    dense = _DenseWriter(tmp)
-    entries = list(done.values())
+    lent = layout.normalize(src.lend(c.family.probe_names(src.files)))
+    _check_coverage(c, units, lent)
+    predicate = module_quantization(model, c.recipe, layout.quantizes_dense())
+    quantization: dict = c.recipe.dense.to_mlx()
     # Finished layers' experts stay lazy, never read: only their dense part is redone.
-    skip = tuple(f"{p}." for p, layer in switches.items() if layer in done)
-    for i, names in enumerate(
-        tqdm(units, desc="layers", unit="layer", disable=not progress)
-    ):
-        if i + 1 < len(units):
-            src.prefetch(units[i + 1])
-        weights = _prepare(src, family, model, layout, names, getattr(mx, dtype), lent)
-        out = _quantize_unit(weights, modules, predicate, quantization, layout, skip)
-        del weights
-        mx.eval(out)
-        for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
-            experts = _pop_prefixed(out, spath)
-            if experts:
-                entries.append(_write_layer(tmp, spath, layer, experts, quantization))
-                journal.record(entries[-1])
-        dense.add(out)
-    dense_files = dense.close()
-    _write_config(tmp, src.config, quantization)
+    skip = tuple(f"{p}." for p, layer in switches.items() if layer in c.done)
+    with tqdm(
+        total=len(switches),
+        initial=len(c.done),
+        desc="MoE layers",
+        disable=not progress,
+    ) as bar:
+        for i, names in enumerate(units):
+            if i + 1 < len(units):
+                src.prefetch(units[i + 1])
+            weights = _prepare(c, names, lent)
+            out = quantize_unit(weights, modules, predicate, quantization, layout, skip)
+            del weights
+            mx.eval(out)
+            for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
+                experts = _pop_prefixed(out, spath)
+                if experts:
+                    entry = _write_layer(c.writer, spath, layer, experts, quantization)
+                    c.journal.record(entry)
+                    bar.update()
+            c.writer.add_dense(out)
+    c.writer.close_tensors()
+    c.writer.write_config(src.config, quantization)
     for f in src.tokenizer_files():
-        shutil.copyfile(f, tmp / f.name)
-    manifest = Manifest(
+        c.writer.copy_file(f)
+    manifest = c.writer.write_manifest(
         model_type=src.config["model_type"],
-        dtype=dtype,
-        recipe=recipe,
-        layers=tuple(sorted(entries, key=lambda e: e.layer)),
-        dense_files=tuple(dense_files),
+        dtype=c.dtype,
+        recipe=c.recipe,
         source={"repo_id": src.repo_id, "revision": src.revision},
         created_by=f"moestream {__version__}",
-        file_checksums=_file_checksums(tmp),
     )
-    manifest.save(tmp)
-    summary = _summary(manifest, dense.nbytes, switches, model)
-    return replace(
-        summary, source_layout=layout.describe(), notes=tuple(layout.notes())
-    )
-
-
-def _file_checksums(tmp: Path) -> dict[str, str]:
-    """crc32 of every file beside the blobs (dense, config, tokenizer)."""
-    skip = {MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME}
-    return {
-        f.name: file_checksum(f)
-        for f in sorted(tmp.iterdir())
-        if f.is_file() and f.name not in skip
-    }
+    summary = _summary(manifest, c.writer.dense_bytes, switches, model)
+    notes = (*layout.notes(), *rope_notes(src.config))
+    return replace(summary, source_layout=layout.describe(), notes=notes)
 
 
 def _check_coverage(
-    src: Source,
-    family: Family,
-    model: nn.Module,
-    layout: Layout,
-    units: list[list[str]],
-    lent: dict[str, mx.array],
+    c: Conversion, units: list[list[str]], lent: dict[str, mx.array]
 ) -> None:
     """Before any heavy work: every parameter present with its configured shape."""
+    src, family, model, layout = c.src, c.family, c.model, c.layout
     peeked: dict[str, mx.array] = {}
     for names in units:
         try:
@@ -375,8 +352,9 @@ def _check_coverage(
     for name, w in peeked.items():
         if name not in expected:
             raise SourceError(
-                f"Unexpected tensor {name} for {src.config['model_type']}; "
-                "is config.json the one of this checkpoint?"
+                f"Unexpected tensor {name} for {src.config['model_type']} (read as "
+                f"{layout.describe()}; {src.config['model_type']} experts are read "
+                f"as {layout.tried()}); is config.json the one of this checkpoint?"
             )
         if tuple(w.shape) != expected[name]:
             raise SourceError(
@@ -394,24 +372,19 @@ def _check_coverage(
 
 
 def _prepare(
-    src: Source,
-    family: Family,
-    model: nn.Module,
-    layout: Layout,
-    names: list[str],
-    dtype: mx.Dtype,
-    lent: dict[str, mx.array],
+    c: Conversion, names: list[str], lent: dict[str, mx.array]
 ) -> dict[str, mx.array]:
     """One unit's tensors, sanitized to mlx-lm names and cast as mlx_lm.convert does."""
-    weights = family.sanitize(model, layout.normalize(src.take(names)), lent)
-    cast = getattr(model, "cast_predicate", lambda _: True)
+    weights = c.family.sanitize(c.model, c.layout.normalize(c.src.take(names)), lent)
+    cast = getattr(c.model, "cast_predicate", lambda _: True)
+    dtype = getattr(mx, c.dtype)
     return {
         k: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v
         for k, v in weights.items()
     }
 
 
-def _module_quantization(
+def module_quantization(
     model: nn.Module, recipe: Recipe, quantize_dense: bool = True
 ) -> Callable:
     """(path, module) -> mlx quantization dict or None, as `quantize_model` decides.
@@ -436,14 +409,20 @@ def _module_quantization(
     return params
 
 
-def _quantize_unit(
+def quantize_unit(
     weights: dict[str, mx.array],
     modules: dict[str, nn.Module],
     predicate: Callable,
     quantization: dict,
-    layout: Layout,
+    layout: Layout | None,
     skip: tuple[str, ...] = (),
 ) -> dict[str, mx.array]:
+    """Quantize one unit's modules with `predicate` (from `module_quantization`).
+
+    Per-module specs are recorded in `quantization` (config.json's entry).
+    `layout` handles tensors already quantized in the source (None: there are
+    none); modules under a `skip` prefix are recorded, not computed.
+    """
     by_module: dict[str, dict[str, mx.array]] = defaultdict(dict)
     for key, w in weights.items():
         mpath, _, pname = key.rpartition(".")
@@ -490,7 +469,11 @@ def _to_numpy(a: mx.array) -> np.ndarray:
 
 
 def _write_layer(
-    tmp: Path, spath: str, layer: int, experts: dict[str, mx.array], quantization: dict
+    writer: ModelWriter,
+    spath: str,
+    layer: int,
+    experts: dict[str, mx.array],
+    quantization: dict,
 ) -> ExpertLayer:
     num_experts = next(iter(experts.values())).shape[0]
     entry = layer_layout(
@@ -515,64 +498,8 @@ def _write_layer(
         pack_record(segments, record_nbytes, {n: a[e] for n, a in arrays.items()})
         for e in range(num_experts)
     )
-    sums = write_blob(tmp / entry.file, entry, records)
     log.debug("layer %d: %d experts x %d bytes", layer, num_experts, record_nbytes)
-    return replace(entry, checksums=tuple(sums))
-
-
-class _DenseWriter:
-    """Dense tensors into `dense.safetensors`, or shards plus an index when large."""
-
-    def __init__(self, directory: Path, shard_bytes: int = DENSE_SHARD_BYTES):
-        self.directory = directory
-        self.shard_bytes = shard_bytes
-        self.pending: dict[str, mx.array] = {}
-        self.shards: list[dict[str, str]] = []
-        self.nbytes = 0
-
-    def add(self, arrays: dict[str, mx.array]) -> None:
-        self.pending.update(arrays)
-        self.nbytes += sum(a.nbytes for a in arrays.values())
-        if sum(a.nbytes for a in self.pending.values()) >= self.shard_bytes:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self.pending:
-            return
-        name = f"dense-{len(self.shards) + 1:05d}.safetensors"
-        _save_safetensors(self.directory / name, self.pending)
-        self.shards.append({k: name for k in self.pending})
-        self.pending = {}
-
-    def close(self) -> list[str]:
-        if not self.shards:
-            _save_safetensors(self.directory / "dense.safetensors", self.pending)
-            return ["dense.safetensors"]
-        self._flush()
-        weight_map = {k: v for shard in self.shards for k, v in shard.items()}
-        index = {
-            "metadata": {"total_size": self.nbytes},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        (self.directory / "dense.safetensors.index.json").write_text(
-            json.dumps(index, indent=1) + "\n"
-        )
-        return sorted(set(weight_map.values()))
-
-
-def _save_safetensors(path: Path, arrays: dict[str, mx.array]) -> None:
-    # Through a Python file: a full disk raises OSError(ENOSPC), not a bare
-    # RuntimeError as MLX's own file writer does.
-    with open(path, "wb") as f:
-        mx.save_safetensors(f, arrays, {"format": "mlx"})
-
-
-def _write_config(tmp: Path, config: dict, quantization: dict) -> None:
-    """The source config plus mlx-lm's quantization entries (as save_config writes)."""
-    config = {k: v for k, v in config.items() if k != "_name_or_path"}
-    config["quantization"] = quantization
-    config["quantization_config"] = quantization
-    (tmp / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=4))
+    return writer.add_layer(entry, records)
 
 
 def _summary(

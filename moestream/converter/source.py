@@ -18,6 +18,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .hfconfig import normalize_config
+
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = [
@@ -154,7 +156,7 @@ def open_source(source: str, revision: str | None = None) -> Source:
             f"{path} is already a moestream model (it has manifest.json); run it "
             "with run-moe, or convert the original checkpoint."
         )
-    config = _read_config(path)
+    config = normalize_config(_read_config(path))
     src = Source(
         path, config, None if path == Path(source).expanduser() else source, revision
     )

@@ -14,6 +14,7 @@ from .manifest import (
     stride_for,
 )
 from .recipe import QuantSpec, Recipe, RecipeError
+from .writer import ModelWriter, WriterState
 
 __all__ = [
     "FORMAT_VERSION",
@@ -22,10 +23,12 @@ __all__ = [
     "ExpertLayer",
     "FormatError",
     "Manifest",
+    "ModelWriter",
     "QuantSpec",
     "Recipe",
     "RecipeError",
     "Segment",
+    "WriterState",
     "checksum",
     "layer_layout",
     "load_manifest",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .dtypes import DTYPES
 from .manifest import PAGE_SIZE, ExpertLayer, FormatError, Segment
 
 MAGIC = b"MOEBLOB\x00"
@@ -27,13 +28,7 @@ BLOB_VERSION = 1
 HEADER = struct.Struct("<8sIIIIQQQ")
 HEADER_CRC = struct.Struct("<I")
 
-NUMPY_DTYPES = {
-    "uint8": np.uint8,
-    "uint32": np.uint32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,  # numpy has no bfloat16: carried as raw 16-bit words
-    "float32": np.float32,
-}
+NUMPY_DTYPES = {name: d.numpy for name, d in DTYPES.items()}
 
 
 def checksum(data: bytes | memoryview) -> str:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .dtypes import DTYPES
 from .recipe import MODES, Recipe, RecipeError
 
 FORMAT_NAME = "moestream"
@@ -35,13 +36,7 @@ MAX_LAYERS = 1 << 16
 # A segment is `projection.tensor` (gate_proj.weight), as in the expert module.
 SEGMENT_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
-DTYPE_SIZES = {
-    "uint8": 1,
-    "uint32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-}
+DTYPE_SIZES = {name: d.itemsize for name, d in DTYPES.items()}
 
 
 class FormatError(ValueError):

@@ -98,12 +98,14 @@ def verify(directory: str | Path, progress: bool = False) -> VerifyReport:
     return report
 
 
-def file_checksum(path: Path) -> str:
-    """crc32 of a whole file, read in large chunks."""
+def file_checksum(path: Path, bar: tqdm | None = None) -> str:
+    """crc32 of a whole file, read in large chunks (counted on `bar`)."""
     crc = 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(CHUNK_BYTES):
             crc = zlib.crc32(chunk, crc)
+            if bar is not None:
+                bar.update(len(chunk))
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
@@ -112,29 +114,49 @@ def file_problems(
     manifest: Manifest,
     skip: tuple[str, ...] = (),
     missing_ok: bool = False,
+    progress: bool = False,
 ) -> list[str]:
     """The files manifest.json has a crc32 of (dense, config, tokenizer) that differ."""
     problems = []
-    for name, crc in manifest.file_checksums.items():
-        if name in skip:
-            continue
+    names = [n for n in manifest.file_checksums if n not in skip]
+    bar = tqdm(
+        total=sum(_size(directory, n) for n in names),
+        desc="checksums",
+        unit="B",
+        unit_scale=True,
+        delay=1.0,  # only a step that takes more than a second shows a bar
+        disable=not progress,
+    )
+    for name in names:
+        crc = manifest.file_checksums[name]
         try:
-            if file_checksum(inside(directory, name)) != crc:
+            if file_checksum(inside(directory, name), bar) != crc:
                 problems.append(f"{name}: checksum mismatch")
         except FileNotFoundError:
             if not missing_ok:
                 problems.append(f"{name}: missing")
         except OSError as e:
             problems.append(f"{name}: cannot be read ({e})")
+    bar.close()
     return problems
 
 
+def _size(directory: Path, name: str) -> int:
+    try:
+        return inside(directory, name).stat().st_size
+    except (OSError, FormatError):
+        return 0
+
+
 def check_files(
-    directory: Path, manifest: Manifest, skip: tuple[str, ...] = ()
+    directory: Path,
+    manifest: Manifest,
+    skip: tuple[str, ...] = (),
+    progress: bool = False,
 ) -> None:
     """Raise FormatError unless every checksummed file is intact (missing ones
     are left to the readers of each file, which name them)."""
-    problems = file_problems(Path(directory), manifest, skip, missing_ok=True)
+    problems = file_problems(Path(directory), manifest, skip, True, progress)
     if problems:
         raise FormatError(
             f"{'; '.join(problems)} in {directory}: the files were changed or "

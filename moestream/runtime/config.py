@@ -23,7 +23,9 @@ class RuntimeConfig:
     """How a converted model runs.
 
     memory_budget: bytes (or "8G") for the whole process: dense weights, expert
-        slots, KV cache and activations for `context` tokens. Default: 80 % of RAM.
+        slots, KV cache and activations for `context` tokens. Default: what a
+        slot for every expert needs, if that fits in 80 % of the memory
+        available at load (free plus reclaimable); else that 80 %.
         Under a budget, MLX's cache of freed buffers and glibc's mmap
         threshold are bounded so freed memory does not pile up (process-wide).
     cache_experts: resident expert slots per MoE layer, instead of as many as
@@ -49,6 +51,10 @@ class RuntimeConfig:
     engine: "python" runs the reference path (one host sync per MoE layer);
         "native" resolves slots and reads misses inside MLX's stream (the
         compiled extension, CPU and CUDA), so decode never syncs per layer.
+    concurrency: sequences decoded at once (a server's batch): the KV cache and
+        activations are sized for that many, and each layer needs at least
+        min(experts, concurrency x top-k) slots, as a batch's decode step routes
+        to up to that many experts.
     """
 
     memory_budget: int | str | None = None
@@ -64,8 +70,14 @@ class RuntimeConfig:
     # A half-life of ~34 tokens: best of those replayed on the trained fixture.
     lrfu_decay: float = 0.98
     engine: str = "python"
+    concurrency: int = 1
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.concurrency, int) and self.concurrency >= 1):
+            raise ValueError(
+                f"concurrency must be a whole number of sequences, at least 1; "
+                f"got {self.concurrency!r}."
+            )
         if self.dtype not in DTYPES:
             raise ValueError(
                 f"Unknown dtype {self.dtype}; use one of {', '.join(DTYPES)}."

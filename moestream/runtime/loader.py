@@ -17,10 +17,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_config, load_tokenizer
+from tqdm import tqdm
 
 from ..families import (
     build_model,
     cast_floating,
+    get_family,
     quantize_as_configured,
     replace_module,
     switch_modules,
@@ -28,15 +30,8 @@ from ..families import (
 from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
-from ..units import parse_size
+from ..units import human_bytes, parse_size
 from .config import RuntimeConfig
-from .plan import (  # noqa: F401  (their old home)
-    RESERVE_BYTES,
-    RESERVE_FRACTION,
-    BudgetError,
-    MemoryPlan,
-    plan_memory,
-)
 from .prefetch import chain_prefetch, router_predictor  # noqa: F401  (old home)
 from .stats import RuntimeStats
 from .store import ExpertStore, check_layers
@@ -44,9 +39,56 @@ from .switch import Outstanding, StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
 
+# mlx-lm's generate_step prefills in chunks of this many tokens.
+PREFILL_STEP = 2048
+# Kept free under a budget for malloc slack and fragmentation that no allocator
+# counter sees (measured: peak RSS ran 1-5 % over MLX's own peak plus process).
+RESERVE_BYTES = 32 << 20
+RESERVE_FRACTION = 0.03
 # glibc's mallopt parameter number, and the threshold set under a budget.
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 20
+
+
+class BudgetError(ValueError):
+    """A memory budget the model cannot run in."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How `--memory-budget` splits; every figure in bytes."""
+
+    budget: int | None
+    process: int
+    dense: int
+    kv_cache: int
+    activations: int
+    staging: int  # a record being widened, the spare slots
+    reserve: int  # allocator slack and fragmentation outside MLX's accounting
+    slot_bytes: int  # one slot in every MoE layer
+    capacity: int
+    num_experts: int
+    concurrency: int = 1  # sequences the KV cache and activations are sized for
+
+    @property
+    def pools(self) -> int:
+        return self.slot_bytes * self.capacity
+
+    @property
+    def total(self) -> int:
+        fixed = self.process + self.dense + self.kv_cache + self.activations
+        return fixed + self.staging + self.reserve + self.pools
+
+    def describe(self) -> str:
+        h = human_bytes
+        seqs = f" ({self.concurrency} sequences)" if self.concurrency > 1 else ""
+        return (
+            f"memory plan: process {h(self.process)} + dense {h(self.dense)} + KV "
+            f"{h(self.kv_cache)}{seqs} + activations {h(self.activations)} + staging "
+            f"{h(self.staging)} + reserve {h(self.reserve)} + experts "
+            f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer) = "
+            f"{h(self.total)}" + (f" of {h(self.budget)}" if self.budget else "")
+        )
 
 
 @dataclass
@@ -66,6 +108,8 @@ def load(
     path: str | Path,
     config: RuntimeConfig | None = None,
     tokenizer: TokenizerWrapper | None = None,
+    tokenizer_config: dict | None = None,
+    progress: bool = False,
     **options: object,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a converted model for `mlx_lm.generate` / `mlx_lm.stream_generate`.
@@ -73,18 +117,22 @@ def load(
     config: the runtime options (`RuntimeConfig`); keyword `options` override
         its fields, e.g. `load(out, memory_budget="8G", policy="lru")`.
     tokenizer: reuse one already loaded from `path` (its memory counts as process).
+    tokenizer_config: extra options for the tokenizer, as `mlx_lm.load` takes
+        them, e.g. {"chat_template": "..."} (ignored with `tokenizer`).
+    progress: progress bars (stderr) for the file checksums and for reading
+        every expert when all fit.
     """
     cfg = replace(config or RuntimeConfig(), **options)  # validates the options
     directory = Path(path)
     manifest = load_manifest(directory)
     if cfg.verify:  # dense, config and tokenizer files, before any is used
-        check_files(directory, manifest)
+        check_files(directory, manifest, progress=progress)
     compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     model_config = load_config(directory)
     if tokenizer is None:
         tokenizer = load_tokenizer(
             directory,
-            {"trust_remote_code": False},  # reliability: never run a model's code
+            _tokenizer_options(tokenizer_config),
             eos_token_ids=model_config.get("eos_token_id"),
         )
     process = _process_bytes()
@@ -94,18 +142,7 @@ def load(
     _load_dense(model, directory, manifest, model_config)
     _check_expert_shapes(switches, layers)
     cast_floating(model, compute)
-    budget = cfg.memory_budget
-    plan = plan_memory(
-        manifest,
-        model_config,
-        _nbytes(model),
-        compute,
-        process,
-        cfg.context,
-        parse_size(budget) if budget is not None else None,
-        cfg.cache_experts,
-        cfg.spare_slot,
-    )
+    plan = _plan_model(manifest, model_config, model, compute, process, cfg)
     log.info(plan.describe())
     if plan.budget is not None:
         _bound_allocators(plan)
@@ -128,12 +165,52 @@ def load(
     if cfg.prefetches:  # the native engine's read-ahead
         chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
     mx.eval(model.parameters())
-    for layer in streaming.values():
+    all_fit = plan.capacity >= plan.num_experts
+    bar = tqdm(
+        streaming.values(),
+        "experts",
+        unit="layer",
+        delay=1.0,  # only a step that takes more than a second shows a bar
+        disable=not (progress and all_fit),
+    )
+    for layer in bar:
         layer.fill_if_all_fit()  # then decode never waits on the host
     stats.reset()
     model.eval()
     model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
     return model, tokenizer
+
+
+def _tokenizer_options(extra: dict | None) -> dict:
+    if (extra or {}).get("trust_remote_code"):
+        raise ValueError(
+            "moestream never runs a model's own code: drop trust_remote_code "
+            "from the tokenizer options."
+        )
+    return {**(extra or {}), "trust_remote_code": False}
+
+
+def _plan_model(
+    manifest: Manifest,
+    config: dict,
+    model: nn.Module,
+    compute: mx.Dtype,
+    process: int,
+    cfg: RuntimeConfig,
+) -> MemoryPlan:
+    budget = cfg.memory_budget
+    return plan_memory(
+        manifest,
+        config,
+        _nbytes(model),
+        compute,
+        process,
+        cfg.context,
+        parse_size(budget) if budget is not None else None,
+        cfg.cache_experts,
+        cfg.spare_slot,
+        cfg.concurrency,
+    )
 
 
 def _check_expert_shapes(
@@ -165,26 +242,44 @@ def budget_for(
 
     Plans on a lazily loaded model: no weight is read.
     """
+    cfg = replace(
+        options or RuntimeConfig(),
+        memory_budget=None,
+        cache_experts=capacity,
+        context=context,
+    )
+    plan = plan_for(path, cfg)
+    return _budget_holding(plan.total - plan.reserve, growth=0.01)
+
+
+def _budget_holding(unreserved: int, growth: float = 0.0) -> int:
+    """The smallest budget whose reserve and remainder hold `unreserved` bytes."""
+    need = (1 + growth) * (unreserved + RESERVE_BYTES)
+    return math.ceil(need / (1 - RESERVE_FRACTION))
+
+
+def plan_for(path: str | Path, config: RuntimeConfig | None = None) -> MemoryPlan:
+    """The memory plan `load(path, config)` would make, without reading a weight.
+
+    Raises BudgetError as `load` would.
+    """
+    cfg = config or RuntimeConfig()
     directory = Path(path)
     manifest = load_manifest(directory)
-    config = load_config(directory)
-    model = build_model(config)
-    _load_dense(model, directory, manifest, config)
-    compute = getattr(mx, resolve_dtype("auto", manifest.dtype))
+    model_config = load_config(directory)
+    model = build_model(model_config)
+    switches = switch_modules(model)
+    layers = check_layers(manifest, switches)
+    _load_dense(model, directory, manifest, model_config)
+    _check_expert_shapes(switches, layers)  # before sizing memory from the manifest
+    compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     cast_floating(model, compute)
-    plan = plan_memory(
-        manifest,
-        config,
-        _nbytes(model),
-        compute,
-        _process_bytes(),
-        context,
-        None,
-        capacity,
-        (options or RuntimeConfig()).spare_slot,
-    )
-    unreserved = plan.total - plan.reserve + RESERVE_BYTES
-    return math.ceil(1.01 * unreserved / (1 - RESERVE_FRACTION))
+    return _plan_model(manifest, model_config, model, compute, _process_bytes(), cfg)
+
+
+def _text_config(config: dict) -> dict:
+    """Vision-language checkpoints (qwen3_5_moe) keep the text model's sizes apart."""
+    return {**config, **config.get("text_config", {})}
 
 
 def _bound_allocators(plan: MemoryPlan) -> None:
@@ -266,6 +361,140 @@ def _nbytes(model: nn.Module) -> int:
     """Bytes of the model's parameters other than the routed experts."""
     total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return total - sum(v.nbytes for v in _expert_params(model).values())
+
+
+def plan_memory(
+    manifest: Manifest,
+    config: dict,
+    dense: int,
+    compute: mx.Dtype,
+    process: int,
+    context: int,
+    budget: int | None,
+    cache_experts: int | None,
+    spare_slot: bool = False,
+    concurrency: int = 1,
+) -> MemoryPlan:
+    """Split `budget`; `concurrency` sequences decode at once, and each layer
+    needs a slot for every expert one step of theirs can route to."""
+    top_k = get_family(config).top_k(config)
+    config = _text_config(config)
+    num_experts = max(layer.num_experts for layer in manifest.layers)
+    least = min(num_experts, concurrency * top_k)
+    slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
+    kv = concurrency * _kv_bytes(config, context, compute)
+    act = concurrency * _activation_bytes(config, context, top_k)
+    staging = max(layer.record_nbytes for layer in manifest.layers)
+    staging += slot if spare_slot else 0  # the spare zero slot of whole groups
+    if cache_experts is None and budget is None:
+        fixed = process + dense + kv + act + staging
+        budget = default_budget(fixed + num_experts * slot, process)
+    reserve = RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))
+    plan = MemoryPlan(
+        budget,
+        process,
+        dense,
+        kv,
+        act,
+        staging,
+        reserve,
+        slot,
+        num_experts,
+        num_experts,
+        concurrency,
+    )
+    if cache_experts is not None:
+        if not cache_experts >= 1:
+            raise BudgetError(
+                f"--cache-experts must be at least 1, got {cache_experts}."
+            )
+        capacity = min(cache_experts, num_experts)
+        if concurrency > 1 and capacity < least:
+            raise BudgetError(
+                f"{concurrency} sequences decoded at once route to up to {least} "
+                f"experts per layer, more than {capacity} slots; give "
+                f"--cache-experts {least} or more, or decode fewer at once."
+            )
+        need = plan.total - plan.pools + capacity * slot
+        if budget is not None and need > budget:
+            raise BudgetError(
+                f"{capacity} expert slots per layer need {human_bytes(need)} in all, "
+                f"more than --memory-budget {human_bytes(budget)}; give fewer "
+                "--cache-experts or a larger budget."
+            )
+    else:
+        free = budget - (plan.total - plan.pools)
+        capacity = min(num_experts, max(free, 0) // max(slot, 1))
+        if capacity < least:
+            fixed = plan.total - plan.pools
+            seqs = f" for {concurrency} sequences" if concurrency > 1 else ""
+            raise BudgetError(
+                f"Memory budget {human_bytes(budget)} is too small: process, dense "
+                f"weights, KV cache and activations{seqs} need {human_bytes(fixed)}, "
+                f"and {least} expert slots per layer {human_bytes(least * slot)}; give "
+                f"--memory-budget {human_bytes(fixed + least * slot, up=True)} or more."
+            )
+    return replace(plan, capacity=capacity)
+
+
+def _slot_nbytes(layer: ExpertLayer, compute: mx.Dtype) -> int:
+    float_size = compute.size
+    return sum(
+        s.nbytes // 2 * float_size
+        if s.dtype in ("bfloat16", "float16")
+        else s.nbytes // 4 * float_size
+        if s.dtype == "float32"
+        else s.nbytes
+        for s in layer.segments
+    )
+
+
+def _kv_bytes(config: dict, context: int, compute: mx.Dtype) -> int:
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    layers = config["num_hidden_layers"]
+    steps = -(-context // 256) * 256  # mlx-lm's KVCache grows in 256-token steps
+    return 2 * layers * kv_heads * head_dim * steps * compute.size
+
+
+def _activation_bytes(config: dict, context: int, k: int) -> int:
+    """Transient memory of a prefill chunk, in float32: attention scores, the
+    routed rows (`k` per token) of the MoE, a few hidden-size buffers, and the
+    logits."""
+    tokens = min(PREFILL_STEP, context)
+    heads = config.get("num_attention_heads", 1)
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
+    inter = max(inter) if isinstance(inter, list) else inter  # hunyuan: per layer
+    hidden = config["hidden_size"]
+    per_token = heads * tokens + k * (3 * inter + hidden) + 8 * hidden
+    return 4 * (tokens * per_token + 2 * config.get("vocab_size", 0))
+
+
+def default_budget(need_all: int, process: int) -> int:
+    """The budget when none is given: what a slot for every expert needs
+    (`need_all` bytes, plus the reserve), when that fits in 80 % of the memory
+    this process may take now (its own plus what the system has available);
+    else that 80 %, and the slots get what is left."""
+    ceiling = int(0.8 * (process + _available_memory()))
+    return min(_budget_holding(need_all), ceiling)
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _available_memory() -> int:
+    """Memory the system can give now without swapping (Linux MemAvailable:
+    free plus reclaimable page cache); physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _physical_memory()
 
 
 def _process_bytes() -> int:

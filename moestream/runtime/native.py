@@ -29,7 +29,7 @@ WIDEN = {
 }
 
 
-class NativeEngineError(RuntimeError):
+class NativeEngineError(ValueError):
     """The native engine cannot run here; engine='python' can."""
 
 
@@ -89,6 +89,7 @@ def expert_cache(
     ]
     cache = _native.ExpertCache(
         path=str(path),
+        layer=layer.layer,
         data_offset=layer.data_offset,
         stride=layer.stride,
         record_nbytes=layer.record_nbytes,
@@ -101,7 +102,7 @@ def expert_cache(
         decay=decay,
         max_pairs=max_pairs,
     )
-    cache.bind(slots)
+    cache.bind(slots, mx.default_device() != mx.cpu)
     return cache
 
 

@@ -1,4 +1,4 @@
-"""Random MoE checkpoints in real Hugging Face hub layout, for tests and benchmarks.
+"""Random MoE checkpoints in real Hugging Face hub layout, for tests.
 
 Tensor names, shapes and config keys are those of the hub's Qwen3-MoE
 checkpoints (one 2-D tensor per expert), so the converter sees what a user's
@@ -13,12 +13,10 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from mlx.utils import tree_flatten
 
-TEXT = (
-    "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n"
-    "        self.items.append(x)\n\nimport os\nprint('hello world')\n"
-) * 20
+from moestream.bench.tokenizer import write_tokenizer
+from moestream.families import build_model, switch_modules
 
 QWEN3_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -46,51 +44,29 @@ QWEN3_MOE = {
 }
 
 
-def qwen3_moe_tensors(config: dict, seed: int = 0) -> dict[str, tuple[int, ...]]:
-    """Hub tensor names and shapes of a Qwen3-MoE checkpoint (one tensor per expert)."""
-    h, v = config["hidden_size"], config["vocab_size"]
-    hd, nh, nkv = (
-        config["head_dim"],
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-    )
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (v, h),
-        "model.norm.weight": (h,),
-    }
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(config["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes.update(
-            {
-                f"{p}.input_layernorm.weight": (h,),
-                f"{p}.post_attention_layernorm.weight": (h,),
-                f"{p}.self_attn.q_proj.weight": (nh * hd, h),
-                f"{p}.self_attn.k_proj.weight": (nkv * hd, h),
-                f"{p}.self_attn.v_proj.weight": (nkv * hd, h),
-                f"{p}.self_attn.o_proj.weight": (h, nh * hd),
-                f"{p}.self_attn.q_norm.weight": (hd,),
-                f"{p}.self_attn.k_norm.weight": (hd,),
-            }
-        )
-        if layer in config["mlp_only_layers"]:
-            i = config["intermediate_size"]
-            shapes.update(
-                {
-                    f"{p}.mlp.gate_proj.weight": (i, h),
-                    f"{p}.mlp.up_proj.weight": (i, h),
-                    f"{p}.mlp.down_proj.weight": (h, i),
-                }
-            )
+def mlx_lm_tensors(
+    c: dict, experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+) -> dict[str, tuple[int, ...]]:
+    """Hub names and shapes read off mlx-lm's own model for `c`, for families whose
+    hub names are mlx-lm's but for one tensor per expert (named `experts`)."""
+    model = build_model(c)
+    hub = dict(zip(("gate_proj", "up_proj", "down_proj"), experts, strict=True))
+    switches = switch_modules(model)
+    shapes = {}
+    for name, w in tree_flatten(model.parameters()):
+        switch = next((s for s in switches if name.startswith(f"{s}.")), None)
+        if switch is None:
+            shapes[name] = tuple(w.shape)
             continue
-        i, e = config["moe_intermediate_size"], config["num_experts"]
-        shapes[f"{p}.mlp.gate.weight"] = (e, h)
-        for x in range(e):
-            shapes[f"{p}.mlp.experts.{x}.gate_proj.weight"] = (i, h)
-            shapes[f"{p}.mlp.experts.{x}.up_proj.weight"] = (i, h)
-            shapes[f"{p}.mlp.experts.{x}.down_proj.weight"] = (h, i)
+        proj, _, tensor = name[len(switch) + 1 :].partition(".")
+        base = switch.rpartition(".")[0]
+        for x in range(w.shape[0]):
+            shapes[f"{base}.experts.{x}.{hub[proj]}.{tensor}"] = tuple(w.shape[1:])
     return shapes
+
+
+# Mixtral-style hubs name the expert projections w1 (gate), w3 (up), w2 (down).
+MIXTRAL_EXPERTS = partial(mlx_lm_tensors, experts=("w1", "w3", "w2"))
 
 
 def random_weights(
@@ -107,35 +83,6 @@ def random_weights(
         out[name] = w.astype(dtype)
     mx.eval(out)
     return out
-
-
-def write_tokenizer(path: Path) -> None:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([TEXT], trainer)
-    tok.save(str(path / "tokenizer.json"))
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
-        "assistant\n{% endif %}"
-    )
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<|endoftext|>",
-                "pad_token": "<|endoftext|>",
-                "chat_template": template,
-            }
-        )
-    )
 
 
 def write_hf_model(
@@ -172,14 +119,14 @@ def tiny_qwen3_moe(
     **overrides: object,
 ) -> Path:
     config = {**QWEN3_MOE, **overrides}
-    weights = random_weights(qwen3_moe_tensors(config), dtype, seed)
+    weights = random_weights(mlx_lm_tensors(config), dtype, seed)
     return write_hf_model(path, config, weights, shards)
 
 
 def large_qwen3_moe(path: Path, seed: int = 0, **overrides: object) -> Path:
     """A bigger checkpoint written one decoder layer per shard (bounded memory)."""
     config = {**QWEN3_MOE, "mlp_only_layers": [], **overrides}
-    shapes = qwen3_moe_tensors(config)
+    shapes = mlx_lm_tensors(config)
     groups: dict[str, dict[str, tuple[int, ...]]] = {}
     for name, shape in shapes.items():
         parts = name.split(".")
@@ -738,47 +685,7 @@ def _experts(
     return shapes
 
 
-def mixtral_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    h, e, i = c["hidden_size"], c["num_local_experts"], c["intermediate_size"]
-    shapes = _lm(c)
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes |= _norms(p, h) | _attention(p, c)
-        shapes[f"{p}.block_sparse_moe.gate.weight"] = (e, h)
-        shapes |= _experts(f"{p}.block_sparse_moe", e, h, i, ("w1", "w3", "w2"))
-    return shapes
-
-
-def qwen2_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    h, e = c["hidden_size"], c["num_experts"]
-    shapes = _lm(c)
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes |= _norms(p, h) | _attention(p, c, bias=True)
-        shapes[f"{p}.mlp.gate.weight"] = (e, h)
-        shapes |= _experts(f"{p}.mlp", e, h, c["moe_intermediate_size"])
-        shapes |= _mlp(
-            f"{p}.mlp.shared_expert", h, c["shared_expert_intermediate_size"]
-        )
-        shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, h)
-    return shapes
-
-
-def olmoe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    h, e, nh = c["hidden_size"], c["num_experts"], c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * h // nh
-    shapes = _lm(c)
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes |= _norms(p, h) | _attention(p, c)
-        shapes[f"{p}.self_attn.q_norm.weight"] = (h,)
-        shapes[f"{p}.self_attn.k_norm.weight"] = (kv,)
-        shapes[f"{p}.mlp.gate.weight"] = (e, h)
-        shapes |= _experts(f"{p}.mlp", e, h, c["intermediate_size"])
-    return shapes
-
-
-def _routed_mlp(p: str, c: dict, experts: str = "experts") -> dict[str, tuple]:
+def _routed_mlp(p: str, c: dict) -> dict[str, tuple]:
     """DeepSeek-style MoE MLP: a gate (with score-correction bias for noaux_tc
     routing), routed experts and shared experts."""
     h, e, i = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"]
@@ -841,20 +748,6 @@ def deepseek_tensors(c: dict, mtp: bool = False) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def deepseek_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    """DeepSeek-MoE (v1): plain attention, dense first layers, shared experts."""
-    h = c["hidden_size"]
-    shapes = _lm(c)
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes |= _norms(p, h) | _attention(p, c)
-        if layer < c["first_k_dense_replace"] or layer % c["moe_layer_freq"]:
-            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
-        else:
-            shapes |= _routed_mlp(p, c)
-    return shapes
-
-
 def glm4_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """GLM-4.5: dense first layers, shared experts, and a multi-token-prediction
     layer after the last one (mlx-lm drops it)."""
@@ -871,55 +764,6 @@ def glm4_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
             shapes |= _routed_mlp(p, c)
         if layer >= n:
             shapes |= _mtp_layer(p, c)
-    return shapes
-
-
-def dots1_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    """dots.llm1: GLM-4.5's layout without attention biases or an MTP layer."""
-    h, hd = c["hidden_size"], c["head_dim"]
-    shapes = _lm(c)
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes |= _norms(p, h) | _attention(p, c)
-        shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
-        shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
-        if layer < c["first_k_dense_replace"]:
-            shapes |= _mlp(f"{p}.mlp", h, c["intermediate_size"])
-        else:
-            shapes |= _routed_mlp(p, c)
-    return shapes
-
-
-def minimax_m2_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    """MiniMax-M2: Mixtral's expert names, a routing bias on the block, and
-    full-width q/k norms."""
-    h, e, nh = c["hidden_size"], c["num_local_experts"], c["num_attention_heads"]
-    hd, nkv = c["head_dim"], c["num_key_value_heads"]
-    shapes = _lm(c)
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes |= _norms(p, h) | _attention(p, c)
-        shapes[f"{p}.self_attn.q_norm.weight"] = (nh * hd,)
-        shapes[f"{p}.self_attn.k_norm.weight"] = (nkv * hd,)
-        shapes[f"{p}.block_sparse_moe.gate.weight"] = (e, h)
-        shapes[f"{p}.block_sparse_moe.e_score_correction_bias"] = (e,)
-        moe = f"{p}.block_sparse_moe"
-        shapes |= _experts(moe, e, h, c["intermediate_size"], ("w1", "w3", "w2"))
-    return shapes
-
-
-def phimoe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    """Phi-3.5-MoE: Mixtral's expert names, LayerNorms and biases everywhere."""
-    h, e = c["hidden_size"], c["num_local_experts"]
-    shapes = _lm(c) | {"model.norm.bias": (h,), "lm_head.bias": (c["vocab_size"],)}
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes |= _norms(p, h) | _attention(p, c, bias=True, o_bias=True)
-        shapes[f"{p}.input_layernorm.bias"] = (h,)
-        shapes[f"{p}.post_attention_layernorm.bias"] = (h,)
-        shapes[f"{p}.block_sparse_moe.gate.weight"] = (e, h)
-        moe = f"{p}.block_sparse_moe"
-        shapes |= _experts(moe, e, h, c["intermediate_size"], ("w1", "w3", "w2"))
     return shapes
 
 
@@ -966,23 +810,6 @@ def ernie4_5_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
     shapes["model.mtp_emb_norm.0.weight"] = (h,)
     shapes["model.mtp_hidden_norm.0.weight"] = (h,)
     shapes["model.mtp_linear_proj.0.weight"] = (h, 2 * h)
-    return shapes
-
-
-def hunyuan_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    """Hunyuan-A13B: router `mlp.gate.wg`, a shared MLP beside the experts,
-    per-head `query_layernorm` / `key_layernorm`, tied embeddings."""
-    h, e, nh = c["hidden_size"], c["num_experts"], c["num_attention_heads"]
-    shapes = _lm(c)
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes |= _norms(p, h) | _attention(p, c)
-        shapes[f"{p}.self_attn.query_layernorm.weight"] = (h // nh,)
-        shapes[f"{p}.self_attn.key_layernorm.weight"] = (h // nh,)
-        shapes[f"{p}.mlp.gate.wg.weight"] = (e, h)
-        shapes |= _experts(f"{p}.mlp", e, h, c["moe_intermediate_size"][layer])
-        shared = c["intermediate_size"] * c["num_shared_expert"][layer]
-        shapes |= _mlp(f"{p}.mlp.shared_mlp", h, shared)
     return shapes
 
 
@@ -1138,25 +965,25 @@ def qwen3_5_moe_tensors(c: dict) -> dict[str, tuple[int, ...]]:
 
 
 HUB_LAYOUTS: dict[str, tuple[dict, Callable[[dict], dict[str, tuple[int, ...]]]]] = {
-    "qwen3_moe": (QWEN3_MOE, qwen3_moe_tensors),
-    "qwen2_moe": (QWEN2_MOE, qwen2_moe_tensors),
+    "qwen3_moe": (QWEN3_MOE, mlx_lm_tensors),
+    "qwen2_moe": (QWEN2_MOE, mlx_lm_tensors),
     "qwen3_next": (QWEN3_NEXT, qwen3_next_tensors),
     "qwen3_5_moe": (QWEN3_5_MOE, qwen3_5_moe_tensors),
-    "mixtral": (MIXTRAL, mixtral_tensors),
-    "olmoe": (OLMOE, olmoe_tensors),
-    "deepseek": (DEEPSEEK, deepseek_moe_tensors),
+    "mixtral": (MIXTRAL, MIXTRAL_EXPERTS),
+    "olmoe": (OLMOE, mlx_lm_tensors),
+    "deepseek": (DEEPSEEK, mlx_lm_tensors),
     "deepseek_v2": (DEEPSEEK_V2, deepseek_tensors),
     "deepseek_v3": (DEEPSEEK_V3, deepseek_tensors),
     "kimi_k2": (KIMI_K2, deepseek_tensors),
     "glm4_moe": (GLM4_MOE, glm4_moe_tensors),
     "glm4_moe_lite": (GLM4_MOE_LITE, partial(deepseek_tensors, mtp=True)),
-    "dots1": (DOTS1, dots1_tensors),
-    "minimax_m2": (MINIMAX_M2, minimax_m2_tensors),
-    "phimoe": (PHIMOE, phimoe_tensors),
+    "dots1": (DOTS1, mlx_lm_tensors),
+    "minimax_m2": (MINIMAX_M2, MIXTRAL_EXPERTS),
+    "phimoe": (PHIMOE, MIXTRAL_EXPERTS),
     "bailing_moe": (BAILING_MOE, bailing_moe_tensors),
     "granitemoe": (GRANITEMOE, granitemoe_tensors),
     "ernie4_5_moe": (ERNIE4_5_MOE, ernie4_5_moe_tensors),
-    "hunyuan": (HUNYUAN, hunyuan_tensors),
+    "hunyuan": (HUNYUAN, mlx_lm_tensors),
     "llama4": (LLAMA4, llama4_tensors),
     "gpt_oss": (GPT_OSS, gpt_oss_tensors),
 }

@@ -1,0 +1,34 @@
+"""The one dtype table: every stored dtype by the name the manifest uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StoredDtype:
+    name: str
+    itemsize: int
+    # numpy has no bfloat16: it is carried as raw 16-bit words
+    numpy: type[np.generic]
+    mx: mx.Dtype
+
+
+DTYPES: dict[str, StoredDtype] = {
+    d.name: d
+    for d in [
+        StoredDtype("uint8", 1, np.uint8, mx.uint8),
+        StoredDtype("uint32", 4, np.uint32, mx.uint32),
+        StoredDtype("float16", 2, np.float16, mx.float16),
+        StoredDtype("bfloat16", 2, np.uint16, mx.bfloat16),
+        StoredDtype("float32", 4, np.float32, mx.float32),
+    ]
+}
+
+# mx dtype -> manifest name (what a tensor of that dtype is stored as)
+DTYPE_NAMES: dict[mx.Dtype, str] = {d.mx: d.name for d in DTYPES.values()}
+# The floating dtypes a model can be converted to or run in.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")

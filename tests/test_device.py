@@ -1,0 +1,52 @@
+"""Exactness on the accelerator (was scripts/gpu_exactness.py, gpu_diagnose.py).
+
+Marked `device`: skipped where MLX has no GPU. The same comparisons as
+test_exactness.py, pinned to the GPU: streaming vs mlx-lm's resident model,
+prefill and step-by-step decode, at several cache sizes and compute dtypes;
+the resident model against itself (GPU kernels deterministic), and prefetch.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import PROMPT, logits_stepwise
+
+import moestream
+from moestream.reference import resident_from_converted, resident_model
+
+pytestmark = [
+    pytest.mark.device,
+    pytest.mark.skipif(not mx.is_available(mx.gpu), reason="MLX has no GPU here"),
+]
+DECODE_STEPS = 8
+
+
+@pytest.fixture(autouse=True)
+def on_gpu():
+    with mx.stream(mx.gpu):
+        yield
+
+
+@pytest.mark.parametrize("cache_experts", [2, 5, 8])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_streaming_exact_on_gpu(converted, hf_dir, recipe, dtype, cache_experts):
+    ref = resident_model(hf_dir, recipe, compute_dtype=dtype)
+    theirs = logits_stepwise(ref, PROMPT, DECODE_STEPS)
+    model, _ = moestream.load(converted, cache_experts=cache_experts, dtype=dtype)
+    ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
+    for a, b in zip(ours, theirs, strict=True):
+        assert mx.array_equal(a, b).item()
+
+
+def test_resident_deterministic_and_prefetch_exact_on_gpu(converted):
+    ref = logits_stepwise(resident_from_converted(converted), PROMPT, DECODE_STEPS)
+    again = logits_stepwise(resident_from_converted(converted), PROMPT, DECODE_STEPS)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ref, again, strict=True))
+    for cache_experts, prefetch in [(8, False), (3, False), (3, True)]:
+        model, _ = moestream.load(
+            converted, cache_experts=cache_experts, prefetch=prefetch
+        )
+        ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
+        for a, b in zip(ours, ref, strict=True):
+            assert mx.array_equal(a, b).item(), (cache_experts, prefetch)

@@ -1,0 +1,382 @@
+"""moestream serve: mlx_lm.server's OpenAI API over a streaming model, through
+the official `openai` client, against mlx-lm's resident model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from click.testing import CliRunner
+from mlx_lm.generate import stream_generate
+from mlx_lm.utils import load_tokenizer
+
+import moestream
+from moestream.runtime import BudgetError, RuntimeConfig
+from moestream.runtime.loader import budget_for
+from moestream.serve import Server, ServerOptions, plan_server, serve_cmd
+from moestream.units import parse_size
+
+TIMEOUT = 60  # seconds, for every request and process here
+SERVE = [sys.executable, "-m", "moestream", "serve", "--log-level", "WARNING"]
+CONTEXT = 160
+PROMPTS = ["def add", "class Point:", "import os", "for i in range"]
+# A template that renders tools, as the Qwen and Llama templates do.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def server(converted: Path):
+    config = RuntimeConfig(cache_experts=4, context=CONTEXT)
+    with Server(converted, config, ServerOptions(), port=0) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key="-", timeout=TIMEOUT, max_retries=0
+    )
+
+
+@pytest.fixture(scope="module")
+def tok(converted: Path):
+    return load_tokenizer(converted)
+
+
+def resident(model, tok, prompt: list[int], n: int) -> tuple[str, list[float]]:
+    """mlx-lm's greedy text and the chosen tokens' log-probabilities."""
+    text, logprobs = "", []
+    for r in stream_generate(model, tok, prompt, max_tokens=n):
+        text += r.text
+        logprobs.append(r.logprobs[r.token].item())
+    return text, logprobs
+
+
+def chat_ids(tok, content: str, **kwargs) -> list[int]:
+    messages = [{"role": "user", "content": content}]
+    return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+
+
+def complete(client: openai.OpenAI, prompt: str, n: int = 12) -> str:
+    r = client.completions.create(
+        model="model", prompt=prompt, max_tokens=n, temperature=0.0
+    )
+    return r.choices[0].text
+
+
+def get(server: Server, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(server.url + path, timeout=TIMEOUT) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def post(server: Server, path: str, body: bytes) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        server.url + path, body, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def metrics(server: Server) -> dict[str, float]:
+    status, body = get(server, "/metrics")
+    assert status == 200
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_completion_equals_resident_greedy(client, tok, reference) -> None:
+    for prompt in PROMPTS[:2]:
+        want, _ = resident(reference, tok, tok.encode(prompt), 12)
+        assert complete(client, prompt) == want
+
+
+def test_chat_equals_resident_with_logprobs(client, tok, reference) -> None:
+    want, logprobs = resident(reference, tok, chat_ids(tok, "hello"), 10)
+    r = client.chat.completions.create(
+        model="model",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=10,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    choice = r.choices[0]
+    assert choice.message.content == want
+    content = choice.logprobs.content
+    assert [c.logprob for c in content] == logprobs
+    assert "".join(c.token for c in content) == "".join(
+        tok.convert_ids_to_tokens(r.id for r in content)  # type: ignore[attr-defined]
+    )
+    for c in content:  # greedy: the chosen token is the best of its top 3
+        best = [t.logprob for t in c.top_logprobs]
+        assert len(best) == 3 and best == sorted(best, reverse=True)
+        assert best[0] == c.logprob
+    assert r.usage.completion_tokens == len(logprobs)
+
+
+def test_streaming_chat_returns_chunks_and_a_finish_reason(client, tok, reference):
+    want, logprobs = resident(reference, tok, chat_ids(tok, "stream"), 10)
+    assert len(logprobs) == 10  # no eos within 10 tokens
+    chunks = list(
+        client.chat.completions.create(
+            model="model",
+            messages=[{"role": "user", "content": "stream"}],
+            max_tokens=10,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},  # as Open WebUI asks
+        )
+    )
+    *chunks, usage = chunks
+    texts = [c.choices[0].delta.content or "" for c in chunks]
+    assert sum(1 for t in texts if t) >= 2
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert "".join(texts) == want
+    assert usage.choices == [] and usage.usage.completion_tokens == 10
+
+
+def test_concurrent_requests_return_what_they_return_alone(client, server) -> None:
+    alone = [complete(client, p, 16) for p in PROMPTS]
+    before = metrics(server)
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: complete(client, p, 16), PROMPTS))
+    assert together == alone
+    after = metrics(server)
+    assert after["moestream_generation_tokens_total"] >= (
+        before["moestream_generation_tokens_total"] + 4
+    )
+
+
+def test_tools_and_chat_template_reach_the_tokenizer(converted, reference) -> None:
+    tok = load_tokenizer(converted, {"chat_template": TOOLS_TEMPLATE})
+    ids = chat_ids(tok, "weather?", tools=TOOLS)
+    assert "get_weather" in tok.decode(ids)
+    want, _ = resident(reference, tok, ids, 10)
+    options = ServerOptions(chat_template=TOOLS_TEMPLATE)
+    config = RuntimeConfig(cache_experts=4, context=512)  # the tools' JSON is long
+    with Server(converted, config, options, port=0) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
+        r = client.chat.completions.create(
+            model="model",
+            messages=[{"role": "user", "content": "weather?"}],
+            tools=TOOLS,
+            max_tokens=10,
+            temperature=0.0,
+            timeout=TIMEOUT,
+        )
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_malformed_requests_get_4xx_json_and_the_server_keeps_serving(
+    client, server
+) -> None:
+    status, body = post(server, "/v1/chat/completions", b"{not json")
+    assert status == 400 and "Invalid JSON" in json.loads(body)["error"]
+    status, body = post(server, "/v1/chat/completions", b'{"model": "model"}')
+    assert status == 400 and "messages" in json.loads(body)["error"]
+    bad = {"model": "model", "messages": [{"content": "x"}], "max_tokens": 4}
+    status, body = post(server, "/v1/chat/completions", json.dumps(bad).encode())
+    assert status == 400 and "Cannot make a prompt" in json.loads(body)["error"]
+    for kwargs, error in [
+        ({"max_tokens": -1}, "max_tokens must be at least 1"),
+        ({"model": "gpt-4"}, "not served here"),
+        ({"prompt": "a b " * 400}, "context is 160"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(
+                **{"model": "model", "prompt": "x", "max_tokens": 2, **kwargs}
+            )
+        assert error in e.value.body  # mlx_lm's errors: {"error": "..."}
+    assert complete(client, "def add", 4)
+    m = metrics(server)
+    assert m['moestream_http_requests_total{path="/v1/chat/completions",code="400"}']
+    assert m['moestream_http_requests_total{path="/v1/completions",code="400"}'] >= 3
+
+
+def test_generation_stops_at_the_context(client, tok) -> None:
+    prompt = "def " * 60
+    n = len(tok.encode(prompt))
+    r = client.completions.create(
+        model="model", prompt=prompt, max_tokens=1000, temperature=0.0
+    )
+    assert r.usage.prompt_tokens == n
+    assert r.usage.completion_tokens <= CONTEXT - n
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_models_health_and_metrics(client, server) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model_id]
+    assert client.models.retrieve(server.model_id).id == server.model_id
+    assert get(server, "/health") == (200, b'{"status": "ok"}')
+    assert get(server, "/v1/models/nope")[0] == 404
+    complete(client, "import os", 6)
+    m = metrics(server)
+    assert m["moestream_expert_slots_per_layer"] == 4
+    assert m["moestream_experts_per_layer"] == 8
+    assert m["moestream_generation_tokens_total"] >= 6
+    assert m["moestream_prompt_tokens_total"] > 0
+    routed = m["moestream_expert_hits_total"] + m["moestream_expert_misses_total"]
+    assert routed > 0 and m["moestream_expert_bytes_read_total"] > 0
+    assert m["moestream_expert_hit_rate"] == pytest.approx(
+        m["moestream_expert_hits_total"] / routed, abs=1e-6
+    )
+    assert m["moestream_generation_tokens_per_second"] > 0
+    assert m["moestream_peak_memory_bytes"] > 0
+    assert m["moestream_requests_active"] == 0
+    stats = moestream.stats(server.model)
+    assert m["moestream_expert_misses_total"] <= stats.misses
+
+
+def test_prompt_cache_stays_within_its_bound(converted, client, server, tok) -> None:
+    """The server's plan: KV of each sequence at once, and a bounded prompt cache."""
+    plan = server.plan
+    assert plan.decode_concurrency == 2  # 4 slots hold 2 sequences of top-2
+    kv1 = moestream.runtime_of(server.model).plan.kv_cache // 2
+    assert plan.kv_per_sequence == kv1
+    for p in ["x = 1", "y = 2", "z = 3", "w = 4"]:
+        complete(client, p, 4)
+    m = metrics(server)
+    assert 0 < m["moestream_prompt_cache_bytes"] <= plan.prompt_cache_bytes
+    per_token = kv1 / 256  # the plan's KV: the context in steps of 256 tokens
+    tokens = len(tok.encode("x = 1")) + 4  # prompt and answer, a little more
+    bound = int(1.5 * tokens * per_token)  # room for one such sequence, not two
+    config = RuntimeConfig(cache_experts=4, context=CONTEXT)
+    with Server(
+        converted, config, ServerOptions(prompt_cache_bytes=bound), port=0
+    ) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
+        for p in ["x = 1", "y = 2", "z = 3"]:
+            c.completions.create(model="model", prompt=p, max_tokens=4, timeout=60)
+            assert 0 < s.prompt_cache.nbytes <= bound
+        assert len(s.prompt_cache) == 1
+
+
+def test_plan_counts_concurrency_and_caps_it_to_fit(converted) -> None:
+    one = moestream.runtime.loader.plan_for(converted, RuntimeConfig(cache_experts=4))
+    two = moestream.runtime.loader.plan_for(
+        converted, RuntimeConfig(cache_experts=4, concurrency=2)
+    )
+    assert two.kv_cache == 2 * one.kv_cache
+    assert two.activations == 2 * one.activations
+    # A budget that holds 2 sequences (4 slots) and a prompt cache, not 3 (6
+    # slots); a long context, so that a sequence's share is large.
+    two_need = budget_for(converted, 4, 2048, RuntimeConfig(concurrency=2))
+    three_need = budget_for(converted, 6, 2048, RuntimeConfig(concurrency=3))
+    budget = (two_need + three_need) // 2
+    config = RuntimeConfig(memory_budget=budget, context=2048)
+    auto = plan_server(converted, config, ServerOptions())
+    assert auto.decode_concurrency == 2
+    assert auto.runtime.memory_budget + auto.prompt_cache_bytes == budget
+    assert auto.prompt_cache_bytes <= (budget - two_need) // 2
+    with pytest.raises(BudgetError, match="give --memory-budget") as e:
+        plan_server(converted, config, ServerOptions(decode_concurrency=4))
+    enough = re.search(r"give --memory-budget (\S+) or more", str(e.value)).group(1)
+    # 1 % more: this test's process grows between the two plans (a user's
+    # next run starts afresh).
+    bigger = RuntimeConfig(memory_budget=int(1.01 * parse_size(enough)), context=2048)
+    fits = plan_server(converted, bigger, ServerOptions(decode_concurrency=4))
+    assert fits.decode_concurrency == 4
+    model, _ = moestream.load(converted, fits.runtime)
+    plan = moestream.runtime_of(model).plan
+    assert plan.capacity >= 8 and plan.concurrency == 4
+    assert plan.total + fits.prompt_cache_bytes <= fits.budget
+    with pytest.raises(BudgetError, match="give --cache-experts 6 or more"):
+        moestream.load(converted, cache_experts=4, concurrency=3)
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_serve_cli_starts_and_stops_cleanly(converted, tmp_path, sig) -> None:
+    """`moestream serve` as a user runs it: serves, then stops on SIGTERM/SIGINT
+    and writes the trace of what it served."""
+    trace = tmp_path / "trace.jsonl"
+    args = ["--port", "0", "--cache-experts", "4", "--trace", str(trace)]
+    proc = subprocess.Popen(
+        [*SERVE, str(converted), *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        url = _served_url(proc)
+        with urllib.request.urlopen(url + "/health", timeout=TIMEOUT) as r:
+            assert r.status == 200
+        body = json.dumps({"prompt": "def", "max_tokens": 3}).encode()
+        request = urllib.request.Request(
+            url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+            assert r.status == 200
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+        proc.wait(timeout=TIMEOUT)
+    assert proc.returncode == 0, err
+    assert "stopped" in err and "terminate" not in err
+    lines = trace.read_text().splitlines()
+    assert f"trace: {len(lines) - 1} MoE layer calls" in err
+    assert len(lines) > 3 and json.loads(lines[0])["moestream_trace"] == 1
+
+
+def _served_url(proc: subprocess.Popen) -> str:
+    lines = []
+    for line in proc.stderr:  # bounded by the test's kill in `finally`
+        lines.append(line)
+        m = re.search(r"at (http://\S+)/v1 ", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("the server did not start: " + "".join(lines))
+
+
+def test_serve_refuses_a_budget_it_cannot_hold(converted) -> None:
+    r = CliRunner().invoke(
+        serve_cmd, [str(converted), "--memory-budget", "1M", "--port", "0"]
+    )
+    assert r.exit_code == 2
+    assert re.fullmatch(r"error: Memory budget .* or more\.\n", r.output)
