@@ -763,7 +763,7 @@ def runtime_options(fn):
             click.option(
                 "--no-prefetch",
                 is_flag=True,
-                help="Do not predict and pre-read the next layer's experts.",
+                help="Do not predict and pre-read the next layer's experts (native).",
             ),
             click.option(
                 "--engine",
@@ -797,7 +797,7 @@ def runtime_config(
         verify=not no_verify,
         context=context,
         policy=policy,
-        prefetch=not no_prefetch,
+        prefetch=False if no_prefetch else None,
         engine=engine,
     )
 

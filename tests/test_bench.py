@@ -114,7 +114,7 @@ def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
             "--repeats",
             "1",
             "--compare",
-            "prefetch=false,policy=lru",
+            "policy=lru,whole_calls=true",
             "--json",
             "--plot",
             str(figure),
@@ -128,8 +128,8 @@ def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
         ("resident", "-"),
         ("50 %", "warm"),
         ("50 %", "cold"),
-        ("50 % prefetch=false,policy=lru", "warm"),
-        ("50 % prefetch=false,policy=lru", "cold"),
+        ("50 % policy=lru,whole_calls=true", "warm"),
+        ("50 % policy=lru,whole_calls=true", "cold"),
         ("25 % no-verify", "cold"),
     }
     for row in rows.values():
@@ -137,9 +137,8 @@ def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
         assert row["decode_tps"] > 0
         assert len(row["decode_ratios"]) == 1
     assert rows[("50 %", "warm")]["variant"] == ""
-    variant = rows[("50 % prefetch=false,policy=lru", "warm")]
-    assert variant["variant"] == "prefetch=false,policy=lru"
-    assert variant["prefetch_recall"] == 0 < rows[("50 %", "warm")]["prefetch_recall"]
+    variant = rows[("50 % policy=lru,whole_calls=true", "warm")]
+    assert variant["variant"] == "policy=lru,whole_calls=true"
     assert variant["policy"] == variant["lru"]  # its replay is of its own policy
     cold = rows[("50 %", "cold")]
     assert cold["capacity"] == 4 and cold["peak_over_budget"] > 0
@@ -149,7 +148,7 @@ def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
 
 def test_bench_refuses_bad_compare(synthetic):
     bench = ["bench", str(synthetic), "--compare"]
-    r = CliRunner().invoke(moestream_cli, [*bench, "prefetch"])
+    r = CliRunner().invoke(moestream_cli, [*bench, "policy"])
     assert r.exit_code == 2 and "FIELD=VALUE" in r.output
     r = CliRunner().invoke(moestream_cli, [*bench, "policy=mru"])
     assert r.exit_code == 2 and "Unknown cache policy 'mru'" in r.output

@@ -14,22 +14,18 @@ CACHE_SIZES = [2, 5, 8]
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
 @pytest.mark.parametrize(
-    "policy, prefetch, whole",
+    "policy, whole",
     [
-        ("lrfu", True, False),  # the CPU default: groups' rows computed alone
-        ("lru", False, False),
-        ("lrfu", True, True),  # the GPU default: groups as whole calls
+        ("lrfu", False),  # the CPU default: groups' rows computed alone
+        ("lru", False),
+        ("lrfu", True),  # the GPU default: groups as whole calls
     ],
 )
 def test_prefill_and_decode_logits_bit_identical(
-    converted, reference, cache_experts, policy, prefetch, whole
+    converted, reference, cache_experts, policy, whole
 ):
     model, _ = moestream.load(
-        converted,
-        cache_experts=cache_experts,
-        policy=policy,
-        prefetch=prefetch,
-        whole_calls=whole,
+        converted, cache_experts=cache_experts, policy=policy, whole_calls=whole
     )
     ours = logits_stepwise(model, PROMPT, steps=12)
     theirs = logits_stepwise(reference, PROMPT, steps=12)
@@ -44,7 +40,6 @@ def test_prefill_and_decode_logits_bit_identical(
     assert s.misses > 0
     assert s.evictions > 0  # the small caches really did evict and reload
     assert s.grouped_calls > 0  # 48 prompt tokens route to more than 5 experts
-    assert (s.prefetched > 0) == prefetch
 
 
 def test_whole_call_groups_are_exact(converted, reference):

@@ -36,6 +36,7 @@ from moestream.families import (
 )
 from moestream.formats import BlobReader, Recipe, load_manifest
 from moestream.reference import resident_model
+from moestream.runtime import native
 from moestream.runtime.loader import router_predictor
 
 # below top-k (2): every call runs in groups; mid: 5 of 8 experts resident
@@ -102,7 +103,6 @@ def test_logits_bit_identical(case: Case, cache_experts: int):
         assert mx.array_equal(a, b).item(), f"{case.family}: step {step} differs"
     s = moestream.stats(model)
     assert s.misses > 0 and s.evictions > 0
-    assert s.prefetched > 0  # the next layer's router was found and used
     if cache_experts == 1:
         assert s.grouped_calls > 0
 
@@ -169,8 +169,13 @@ def test_prefetch_router_matches_the_blocks_choice(case: Case):
         (x, inds), *_ = rec._calls
         ours = router_predictor(block, top_k)(x)
         assert np.array_equal(np.sort(ours, -1), np.sort(inds, -1)), path
-    # and the streaming model chains it with the family's top-k
-    model, _ = moestream.load(case.out, cache_experts=2, dtype=F32, prefetch_extra=0)
+    # and the streaming model chains it with the family's top-k (the native
+    # engine's read-ahead; the python engine does not prefetch)
+    if not native.available():
+        return
+    model, _ = moestream.load(
+        case.out, cache_experts=2, dtype=F32, prefetch_extra=0, engine="native"
+    )
     path = min(recorders, key=layer_index)
     x, _ = recorders[path]._calls[0]
     assert module_at(model, path)._predict(x).shape[-1] == top_k

@@ -101,6 +101,7 @@ def test_recipe_rejects(bits: str, message: str) -> None:
         ("policy", "mru", "Unknown cache policy 'mru'"),
         ("policy", "lfuda", "Unknown cache policy 'lfuda'"),
         ("context", 0, "context must be in"),
+        ("prefetch", True, "python engine does not prefetch"),
         ("lrfu_decay", 1.01, "lrfu_decay must be in"),
         ("prefetch_extra", -1, "prefetch_extra must be in"),
     ],

@@ -41,7 +41,7 @@ class BenchConfig:
     verify_cost: bool = True  # one extra row: 25 % cold without checksums
     reference: Path | None = None  # mlx-lm directory of the same weights
     # More streaming rows at each budget, side by side with `runtime`: a label
-    # and the RuntimeConfig fields it changes, e.g. ("prefetch=false", {...}).
+    # and the RuntimeConfig fields it changes, e.g. ("policy=lru", {...}).
     compare: tuple[tuple[str, dict], ...] = ()
 
     def __post_init__(self) -> None:

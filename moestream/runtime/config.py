@@ -36,7 +36,9 @@ class RuntimeConfig:
     policy: which resident expert to evict: "lrfu" (decayed use count; best on
         trained routing, see README) or "lru" (the baseline replays compare to).
     prefetch: predict the next layer's experts with its router applied to this
-        layer's input and ask the kernel to read the missing ones.
+        layer's input and ask the kernel to read the missing ones. The native
+        engine only (None: on there): the python engine measured 2-6 % slower
+        with it, warm and cold (README), and has none.
     prefetch_extra: predict this many experts beyond the router's top-k: more
         recall for some wasted reads.
     whole_calls: a prefill that routes to more experts than slots runs each
@@ -61,7 +63,7 @@ class RuntimeConfig:
     verify: bool = True
     context: int = DEFAULT_CONTEXT
     policy: str = "lrfu"
-    prefetch: bool = True
+    prefetch: bool | None = None
     prefetch_extra: int = 2
     whole_calls: bool | None = None
     record_trace: bool = False
@@ -91,6 +93,11 @@ class RuntimeConfig:
                 f"Unknown cache policy {self.policy!r}; use one of "
                 f"{', '.join(POLICIES)}."
             )
+        if self.prefetch and self.engine == "python":
+            raise ValueError(
+                "The python engine does not prefetch (it measured slower with it); "
+                "use engine='native' or leave prefetch unset."
+            )
         for name, low, high in BOUNDS:
             value = getattr(self, name)
             if not low <= value <= high:
@@ -102,6 +109,11 @@ class RuntimeConfig:
         if self.whole_calls is None:
             return mx.default_device() != mx.cpu
         return self.whole_calls
+
+    @property
+    def prefetches(self) -> bool:
+        """`prefetch`, with its default resolved for the engine."""
+        return self.engine == "native" if self.prefetch is None else self.prefetch
 
     @property
     def spare_slot(self) -> bool:

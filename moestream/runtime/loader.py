@@ -115,7 +115,7 @@ def load(
     """Load a converted model for `mlx_lm.generate` / `mlx_lm.stream_generate`.
 
     config: the runtime options (`RuntimeConfig`); keyword `options` override
-        its fields, e.g. `load(out, memory_budget="8G", prefetch=False)`.
+        its fields, e.g. `load(out, memory_budget="8G", policy="lru")`.
     tokenizer: reuse one already loaded from `path` (its memory counts as process).
     tokenizer_config: extra options for the tokenizer, as `mlx_lm.load` takes
         them, e.g. {"chat_template": "..."} (ignored with `tokenizer`).
@@ -162,7 +162,7 @@ def load(
             cfg,
         )
         replace_module(model, spath, streaming[spath])
-    if cfg.prefetch:
+    if cfg.prefetches:  # the native engine's read-ahead
         chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
     mx.eval(model.parameters())
     all_fit = plan.capacity >= plan.num_experts

@@ -21,7 +21,7 @@ class RuntimeStats:
     sync_free_calls: int = 0
     # Calls whose slots the native engine resolved inside the stream.
     native_calls: int = 0
-    # Prefetch: experts predicted for the next layer and not resident then.
+    # Prefetch (native engine): experts predicted for the next layer, not resident.
     prefetched: int = 0
     prefetched_used: int = 0  # ... that the next layer routed to
     prefetch_bytes: int = 0

@@ -26,7 +26,6 @@ from ..formats import ExpertLayer
 from . import native
 from .config import RuntimeConfig
 from .pool import SlotPool
-from .prefetch import Prefetch
 from .stats import RuntimeStats
 from .store import ExpertStore, SlotFiller
 
@@ -39,9 +38,6 @@ class Routing:
 
     experts: np.ndarray  # (..., k) routed expert ids
     unique: np.ndarray
-    predicted: mx.array | None  # the next MoE layer's experts, predicted
-    expected: set[int]  # what the layer before prefetched for us, not yet used
-    prefetched: list[int]  # ... all of it, for the event
     counters: tuple[int, int, int]  # hits, misses, bytes_read before the call
 
     @property
@@ -117,18 +113,15 @@ class StreamingSwitchGLU(nn.Module):
             stats.native.append(self._native)
         else:  # host views of the slots (on a GPU they become managed memory)
             self._filler = SlotFiller(store, layer, slots)
-        # Prefetch: what the layer before predicts for us, and the next
-        # layer's router applied to our input.
-        self._prefetch = Prefetch(store, layer, self._pool, stats)
-        self._next: Prefetch | None = None
+        # The next layer's router applied to our input (native prefetch).
         self._predict: Callable[[mx.array], mx.array] | None = None
-        self._routing: Routing | None = None  # the call in progress
 
     def chain(
         self, nxt: StreamingSwitchGLU, predict: Callable[[mx.array], mx.array]
     ) -> None:
-        """Prefetch for `nxt` with `predict(x)`: its router applied to our input."""
-        self._next, self._predict = nxt._prefetch, predict
+        """Prefetch for `nxt` with `predict(x)`: its router applied to our input
+        (the native engine hints what it predicts)."""
+        self._predict = predict
         if self._native is not None:
             self._native.chain(nxt._native)
 
@@ -200,17 +193,20 @@ class StreamingSwitchGLU(nn.Module):
         if self._native is not None:
             self._native_check()
             self._stats.record(self._layer.layer, indices, None, None, [], None)
-            return native.fetch(self._native, indices, self._prediction(x))
-        routing = self._route(x, indices)
-        lut = self._load(routing.unique, routing.tokens, routing.expected)
-        return mx.array(lut[routing.experts])
+            predicted = self._predict(x) if self._predict is not None else None
+            return native.fetch(self._native, indices, predicted)
+        r = self._route(indices)
+        lut = self._load(r.unique, r.tokens)
+        self._record(r)
+        return mx.array(lut[r.experts])
 
     def _grouped(self, x: mx.array, indices: mx.array) -> mx.array:
         """More pairs than slots (prefill): one call if the routed experts fit,
         else slot-sized groups, each run once its experts are read."""
-        r = self._route(x, indices)
+        r = self._route(indices)
         if r.unique.size <= self.capacity:
-            lut = self._load(r.unique, r.tokens, r.expected)
+            lut = self._load(r.unique, r.tokens)
+            self._record(r)
             return self._issue(self._inner(x, mx.array(lut[r.experts])))
         self._stats.grouped_calls += 1
         if self._native is None:  # the disk reads all of them in parallel
@@ -220,36 +216,22 @@ class StreamingSwitchGLU(nn.Module):
         groups = range(0, r.unique.size, self.capacity)
         groups = [r.unique[g : g + self.capacity] for g in groups]
         run = self._groups_whole if self._whole else self._groups
-        return self._issue(run(x, r, groups))
+        y = run(x, r, groups)
+        self._record(r)
+        return self._issue(y)
 
-    def _route(self, x: mx.array, indices: mx.array) -> Routing:
-        """Read the routing (and the next layer's prediction) on the host."""
-        predicted = None
+    def _route(self, indices: mx.array) -> Routing:
+        """Read the routing on the host: the one sync of a python call."""
         if self._native is not None:
             self._native_check()
             mx.eval(indices)
             mx.synchronize()  # nothing in flight reads a slot the groups overwrite
-        else:
-            predicted = self._prediction(x)
-            mx.eval(indices if predicted is None else [indices, predicted])
-        experts = np.array(indices)  # the one host sync of this layer
+        experts = np.array(indices)
         # Earlier outputs are upstream of `indices`, so computed by now: settle
         # them, and nothing pending reads a slot we write.
         self._outstanding.settle()
-        expected = self._prefetch.take()
         s = self._stats
-        self._routing = Routing(
-            experts,
-            np.unique(experts),
-            predicted,
-            expected,
-            sorted(expected),
-            (s.hits, s.misses, s.bytes_read),
-        )
-        return self._routing
-
-    def _prediction(self, x: mx.array) -> mx.array | None:
-        return self._predict(x) if self._predict is not None else None
+        return Routing(experts, np.unique(experts), (s.hits, s.misses, s.bytes_read))
 
     def _native_check(self) -> None:
         error = self._native.take_error()  # type: ignore[union-attr]
@@ -257,18 +239,13 @@ class StreamingSwitchGLU(nn.Module):
             raise native.NativeEngineError(error)
 
     def _issue(self, y: mx.array) -> mx.array:
-        """Hand `y` to MLX and keep it until the next host sync; while it
-        computes, hint the next layer's predicted experts and record the call."""
+        """Hand `y` to MLX and keep it until the next host sync."""
         self._outstanding.arrays.append(y)
         mx.async_eval(y)  # compute while Python builds the next layer's graph
-        r, self._routing = self._routing, None
-        assert r is not None  # set by _route
-        if r.predicted is not None and self._next is not None:
-            self._next.start(np.array(r.predicted))
-        self._record(r)
         return y
 
     def _record(self, r: Routing) -> None:
+        """The call's event, when recording (RuntimeStats.events)."""
         s, layer = self._stats, self._layer.layer
         if self._native is not None:  # the native cache counts in the stream
             s.record(layer, r.experts, None, None, [], None)
@@ -279,7 +256,7 @@ class StreamingSwitchGLU(nn.Module):
             r.experts,
             s.hits - hits,
             s.misses - misses,
-            r.prefetched,
+            [],  # the python engine does not prefetch
             s.bytes_read - nbytes,
         )
 
@@ -289,11 +266,9 @@ class StreamingSwitchGLU(nn.Module):
         if self.capacity >= self._layer.num_experts:
             self._load(np.arange(self._layer.num_experts), tokens=0)
 
-    def _load(
-        self, experts: np.ndarray, tokens: int = 1, expected: set[int] | None = None
-    ) -> np.ndarray:
+    def _load(self, experts: np.ndarray, tokens: int = 1) -> np.ndarray:
         """Make `experts` (unique, at most `capacity`) resident; return the
-        expert -> slot table. `expected`: prefetched experts, scored here."""
+        expert -> slot table."""
         if self._native is not None:
             self._native.load(experts.tolist(), tokens)
             table = np.array(self._native.table(), np.uint32)
@@ -301,15 +276,11 @@ class StreamingSwitchGLU(nn.Module):
                 self._table = mx.array(table)  # never evicts now
             return table
         free = len(self._pool.free)
-        slots, misses = self._pool.assign(experts, tokens)
+        _, misses = self._pool.assign(experts, tokens)
         s = self._stats
         s.hits += len(experts) - len(misses)
         s.misses += len(misses)
         s.evictions += max(0, len(misses) - free)
-        if expected:
-            used = expected.intersection(slots)
-            expected -= used
-            self._prefetch.score(used, experts, [e for e, _ in misses])
         if misses:  # the kernel reads them all in parallel while we copy each
             self._store.willneed(self._layer.layer, [e for e, _ in misses])
             self._read(misses)
@@ -338,7 +309,7 @@ class StreamingSwitchGLU(nn.Module):
         order = np.argsort(flat, kind="stable")
         parts = []
         for i, group in enumerate(groups):
-            lut = self._load(group, r.tokens if i == 0 else 0, r.expected)
+            lut = self._load(group, r.tokens if i == 0 else 0)
             pairs = order[np.isin(flat[order], group)]
             out = self._rows(x, r.experts, pairs, lut)
             mx.eval(out)  # the next group overwrites these slots
@@ -353,7 +324,7 @@ class StreamingSwitchGLU(nn.Module):
         pairs of other groups sent to a spare zero slot and masked out."""
         y = None
         for i, group in enumerate(groups):
-            lut = self._load(group, r.tokens if i == 0 else 0, r.expected)
+            lut = self._load(group, r.tokens if i == 0 else 0)
             member = np.isin(r.experts, group)
             slots = np.where(member, lut[r.experts], self._spare)
             out = self._inner(x, mx.array(slots))
