@@ -192,6 +192,18 @@ def test_prefill_chunks_overflow_capacity(converted, reference) -> None:
     assert moestream.stats(s.model({"cache_experts": 3})).grouped_calls >= 2
 
 
+@pytest.mark.parametrize("engine", RUNTIME_CHOICES["engine"])
+def test_chained_calls_that_do_not_depend_on_each_other(
+    converted, reference, engine
+) -> None:
+    """One-token prefill chunks are queued without a sync, and a chunk's MoE call
+    does not depend on the previous chunk's: a miss of the later one must not
+    overwrite a slot the earlier one has yet to read (the native engine did)."""
+    for cache_experts in (3, 4):
+        options = {"cache_experts": cache_experts, "engine": engine}
+        Stress(converted, reference).run(Case(options, [[200, 172, 154]], [1] * 3, 6))
+
+
 def test_interleaved_sessions_share_one_pool(converted, reference) -> None:
     """Two conversations on one model, steps interleaved: the pool serves both."""
     model, _ = moestream.load(converted, cache_experts=2)

@@ -115,6 +115,9 @@ class StreamingSwitchGLU(nn.Module):
             self._filler = SlotFiller(store, layer, slots)
         # The next layer's router applied to our input (native prefetch).
         self._predict: Callable[[mx.array], mx.array] | None = None
+        # Native: our latest output; the next fetch waits for it, since a call
+        # need not depend on the one before (prefill chunks, other sequences).
+        self._last: mx.array | None = None
 
     def chain(
         self, nxt: StreamingSwitchGLU, predict: Callable[[mx.array], mx.array]
@@ -184,7 +187,10 @@ class StreamingSwitchGLU(nn.Module):
     def _decode(self, x: mx.array, indices: mx.array) -> mx.array:
         """At most `capacity` pairs (decode): one call on the routed experts' slots."""
         y = self._inner(x, self.slots(x, indices))
-        return y if self._native is not None else self._issue(y)
+        if self._native is None:
+            return self._issue(y)
+        self._last = y
+        return y
 
     def slots(self, x: mx.array, indices: mx.array) -> mx.array:
         """Slot indices for `indices`, every routed expert read into a slot: the
@@ -193,6 +199,8 @@ class StreamingSwitchGLU(nn.Module):
         if self._native is not None:
             self._native_check()
             self._stats.record(self._layer.layer, indices, None, None, [], None)
+            if self._last is not None:  # no slot is overwritten under it
+                indices = mx.depends(indices, self._last)
             predicted = self._predict(x) if self._predict is not None else None
             return native.fetch(self._native, indices, predicted)
         r = self._route(indices)
@@ -240,6 +248,7 @@ class StreamingSwitchGLU(nn.Module):
 
     def _issue(self, y: mx.array) -> mx.array:
         """Hand `y` to MLX and keep it until the next host sync."""
+        self._last = y if self._native is not None else None
         self._outstanding.arrays.append(y)
         mx.async_eval(y)  # compute while Python builds the next layer's graph
         return y
