@@ -35,9 +35,9 @@ class RuntimeConfig:
     context: tokens (prompt + generation) the KV cache and activations are sized for.
     policy: which resident expert to evict: "lrfu" (decayed use count; best on
         trained routing, see README) or "lru" (the baseline replays compare to).
-    prefetch: predict the next layer's experts with its router applied to this
-        layer's input and ask the kernel to read the missing ones. The native
-        engine only (None: on there): the python engine measured 2-6 % slower
+    prefetch: the native engine predicts the next layer's experts with its
+        router applied to this layer's input and asks the kernel to read the
+        missing ones (None: on there). The python engine measured 2-6 % slower
         with it, warm and cold (README), and has none.
     prefetch_extra: predict this many experts beyond the router's top-k: more
         recall for some wasted reads.

@@ -232,8 +232,11 @@ class StreamingSwitchGLU(nn.Module):
         """Read the routing on the host: the one sync of a python call."""
         if self._native is not None:
             self._native_check()
-            mx.eval(indices)
-            mx.synchronize()  # nothing in flight reads a slot the groups overwrite
+            # Our earlier outputs may not be evaluated yet (a later chunk's
+            # routing need not depend on them): evaluate them before the host
+            # writes our slots, and wait for what is in flight.
+            mx.eval([indices] if self._last is None else [indices, self._last])
+            mx.synchronize()
         experts = np.array(indices)
         # Earlier outputs are upstream of `indices`, so computed by now: settle
         # them, and nothing pending reads a slot we write.
