@@ -24,8 +24,7 @@ NB_MODULE(_native, m) {
 
   nb::class_<ExpertCache>(m, "ExpertCache")
       .def(
-          "__init__",
-          [](ExpertCache* self, const std::string& path, int layer,
+          nb::new_([](const std::string& path, int layer,
              int64_t data_offset,
              int64_t stride, int64_t record_nbytes, int num_experts,
              int capacity,
@@ -36,11 +35,11 @@ NB_MODULE(_native, m) {
             for (auto& [offset, nbytes, widen] : segments) {
               segs.push_back({offset, nbytes, moestream::Widen(widen)});
             }
-            new (self) ExpertCache(
+            return std::make_shared<ExpertCache>(
                 path, layer, data_offset, stride, record_nbytes, num_experts,
                 capacity, std::move(segs), std::move(checksums), verify,
                 policy == "lru", decay, max_pairs);
-          },
+          }),
           "path"_a, "layer"_a, "data_offset"_a, "stride"_a, "record_nbytes"_a,
           "num_experts"_a, "capacity"_a, "segments"_a, "checksums"_a,
           "verify"_a, "policy"_a, "decay"_a, "max_pairs"_a)

@@ -40,7 +40,10 @@ struct GpuState; // CUDA side: pinned buffers and kernels (cuda_fetch.cu)
 
 // One MoE layer: which expert sits in which slot, who is evicted next, and
 // the reads that bring a record into its slot.
-class ExpertCache {
+// Made in C++ (`std::make_shared`, see bindings.cpp) and shared from this:
+// MLX's stream thread then holds plain references, never ones whose release
+// needs Python's GIL (which the evaluating thread holds: a deadlock).
+class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
  public:
   ExpertCache(
       const std::string& path,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -30,6 +29,7 @@ from ..formats.verify import check_files
 from ..reference import resident_from_converted
 from ..runtime.config import RuntimeConfig
 from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
+from ..units import peak_rss
 from .replay import replay_all
 
 # A fixed prompt (in-domain for code models), packaged with moestream: the
@@ -109,7 +109,7 @@ def run(job: Job) -> dict:
         "decode_tps": n / decode,
         "decode_tokens": n,
         "tokens": tokens,
-        "peak_rss": _peak_rss(),
+        "peak_rss": peak_rss(),
     }
     if runtime is not None:
         s = runtime.stats
@@ -131,11 +131,6 @@ def _resident(job: Job) -> nn.Module:
         mx.eval(model.parameters())
         return model
     return resident_from_converted(job.out)
-
-
-def _peak_rss() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def main() -> None:

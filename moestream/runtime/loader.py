@@ -7,7 +7,6 @@ import ctypes
 import logging
 import math
 import os
-import resource
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +29,7 @@ from ..families import (
 from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
-from ..units import human_bytes, parse_size
+from ..units import human_bytes, parse_size, peak_rss
 from .config import RuntimeConfig
 from .prefetch import chain_prefetch, router_predictor  # noqa: F401  (old home)
 from .stats import RuntimeStats
@@ -502,6 +501,5 @@ def _process_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return rss if sys.platform == "darwin" else rss * 1024
+    except OSError:  # no /proc (macOS): the peak is the closest figure
+        return peak_rss()
