@@ -48,7 +48,6 @@ NB_MODULE(_native, m) {
       .def("load", &ExpertCache::load, "experts"_a, "tokens"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def("table", &ExpertCache::table)
-      .def("forget_all", &ExpertCache::forget_all)
       .def("take_error", [](ExpertCache& c) {
         std::lock_guard<std::mutex> lock(c.error_mutex);
         return std::exchange(c.error, std::string());

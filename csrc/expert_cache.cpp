@@ -356,14 +356,6 @@ std::vector<int> ExpertCache::table() const {
   return t;
 }
 
-void ExpertCache::forget_all() {
-  free_.clear();
-  for (int s = capacity - 1; s >= 0; s--) {
-    free_.push_back(s);
-    expert_in_[s] = -1;
-  }
-  std::fill(slot_of_.begin(), slot_of_.end(), -1);
-}
 
 void ExpertFetch::eval_cpu(
     const std::vector<mx::array>& inputs,

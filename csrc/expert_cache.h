@@ -87,7 +87,6 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // Make `experts` resident now (host-blocking; the caller has synchronized).
   void load(const std::vector<int>& experts, int tokens);
   std::vector<int> table() const;
-  void forget_all();
 
   const std::string path_;
   const int layer_;
