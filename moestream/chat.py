@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import click
 import mlx.core as mx
@@ -19,10 +18,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import __version__
 from .errors import user_errors
-from .runtime import load, runtime_of, stats
-from .serve import RUNTIME_FLAGS, chat_template_text, runtime_config, runtime_options
+from .options import CONTEXT, common_options, engine_options
+from .runtime import RuntimeConfig, load, runtime_of, stats
+from .serve import ENGINE_EXCLUDED, chat_template_text
 
 HELP = "commands: q quit, r reset the conversation, h help"
 
@@ -99,8 +98,7 @@ class Conversation:
         return turn
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", prog_name="moestream")
+@click.command(context_settings=CONTEXT)
 @click.argument("model_dir", metavar="OUT", type=click.Path())
 @click.option(
     "--system-prompt", default=None, help="System prompt of each conversation."
@@ -112,7 +110,8 @@ class Conversation:
 @click.option(
     "--chat-template", default="", help="Chat template (Jinja text or a file)."
 )
-@runtime_options
+@engine_options(exclude=ENGINE_EXCLUDED)
+@common_options
 def chat_cmd(
     model_dir: str,
     system_prompt: str | None,
@@ -121,7 +120,7 @@ def chat_cmd(
     top_p: float,
     seed: int,
     chat_template: str,
-    **flags: Any,
+    engine: dict,
 ) -> None:
     """Chat with a converted model OUT in the terminal (q quits, r resets)."""
 
@@ -130,7 +129,7 @@ def chat_cmd(
         template = chat_template_text(chat_template)
         model, tokenizer = load(
             model_dir,
-            runtime_config(**{k: flags[k] for k in RUNTIME_FLAGS}),
+            RuntimeConfig(**engine),
             tokenizer_config={"chat_template": template} if template else None,
         )
         return Conversation(model, tokenizer, system_prompt)

@@ -3,8 +3,10 @@
 `engine_options` turns each field of `RuntimeConfig` into one click option
 (`memory_budget` -> `--memory-budget`, a bool -> `--prefetch/--no-prefetch`),
 with its help taken from the field's entry in RuntimeConfig's docstring:
-run-moe, bench and serve take the same engine flags from this one place.
-`common_options` adds `--version`, `-v` and `--log-level`.
+run-moe, bench, plan, eval, serve and chat take the same engine flags from
+this one place. `common_options` adds `--version`, `-v` and `--log-level`
+(`logging_options` with another default level: serve logs at info, as
+mlx_lm.server does).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import click
 from . import __version__
 
 METAVARS = {"memory_budget": "SIZE"}
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _runtime() -> tuple[type, dict[str, tuple[str, ...]]]:
@@ -39,16 +41,17 @@ def _runtime() -> tuple[type, dict[str, tuple[str, ...]]]:
 
 
 def field_help(name: str) -> str:
-    """The first sentence of `name`'s entry in RuntimeConfig's docstring."""
+    """The first sentence of `name`'s entry in RuntimeConfig's docstring (up to
+    its first full stop outside parentheses)."""
     doc = _runtime()[0].__doc__ or ""
     m = re.search(rf"^\s+{name}: (.*?)(?=^\s+\w+: |\Z)", doc, re.M | re.S)
     if m is None:
         raise KeyError(f"RuntimeConfig's docstring does not describe {name}")
     text = " ".join(m.group(1).split())
     depth = 0
-    for i, c in enumerate(text):  # the first "." or ";" outside parentheses
+    for i, c in enumerate(text):  # the first "." outside parentheses
         depth += (c == "(") - (c == ")")
-        if depth == 0 and c in ".;" and text[i + 1 : i + 2] in ("", " "):
+        if depth == 0 and c == "." and text[i + 1 : i + 2] in ("", " "):
             text = text[:i]
             break
     return text[:1].upper() + text[1:] + "."
@@ -117,39 +120,53 @@ def engine_options(exclude: tuple[str, ...] = ()) -> Callable:
     return decorate
 
 
-def set_log_level(level: str | None, verbose: int) -> None:
-    """`--log-level` wins; else -v is info and -vv debug; default warning."""
-    name = level or {0: "warning", 1: "info"}.get(verbose, "debug")
-    logging.basicConfig(
-        level=getattr(logging, name.upper()),
-        format="%(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
-def common_options(fn: Callable) -> Callable:
-    """--version, -v (repeatable) and --log-level, wired to `logging`."""
+def set_log_level(
+    level: str | None,
+    verbose: int,
+    default: str = "warning",
+    fmt: str = LOG_FORMAT,
+) -> None:
+    """`--log-level` wins; else -v is info and -vv debug; else `default`."""
+    name = level or {0: default, 1: "info"}.get(verbose, "debug")
+    logging.basicConfig(level=getattr(logging, name.upper()), format=fmt, force=True)
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, log_verbose: int, log_level: str | None, **kw: Any):
-        set_log_level(log_level, log_verbose)
-        return fn(*args, **kw)
 
-    wrapper = click.option(
-        "--log-level",
-        type=click.Choice(LOG_LEVELS, case_sensitive=False),
-        default=None,
-        help="Logging level (default: warning).",
-    )(wrapper)
-    wrapper = click.option(
-        "-v",
-        "log_verbose",
-        count=True,
-        help="Log more: -v info (memory plan, reads), -vv debug.",
-    )(wrapper)
-    return click.version_option(__version__, "--version", prog_name="moestream")(
-        wrapper
-    )
+def logging_options(
+    default: str = "warning", fmt: str = LOG_FORMAT
+) -> Callable[[Callable], Callable]:
+    """--version, -v (repeatable) and --log-level (any case), wired to
+    `logging`; `default` is the level when neither is given."""
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, log_verbose: int, log_level: str | None, **kw: Any):
+            set_log_level(log_level, log_verbose, default, fmt)
+            return fn(*args, **kw)
+
+        wrapper = click.option(
+            "--log-level",
+            type=click.Choice(LOG_LEVELS, case_sensitive=False),
+            default=None,
+            help=f"Logging level (default: {default}).",
+        )(wrapper)
+        wrapper = click.option(
+            "-v",
+            "log_verbose",
+            count=True,
+            help="Log more: -v info (memory plan, reads), -vv debug.",
+        )(wrapper)
+        return click.version_option(__version__, "--version", prog_name="moestream")(
+            wrapper
+        )
+
+    return decorate
+
+
+# Every command but serve: warnings only, unless asked.
+common_options = logging_options()
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}

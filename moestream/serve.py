@@ -36,16 +36,20 @@ from mlx_lm.server import (
 )
 from mlx_lm.utils import load_config
 
-from . import __version__
 from .errors import user_errors
 from .families import get_family
+from .options import CONTEXT, engine_options, logging_options
 from .runtime import BudgetError, RuntimeConfig, load, runtime_of, stats
-from .runtime.config import DEFAULT_CONTEXT, DTYPES, ENGINES
 from .runtime.loader import PREFILL_STEP, MemoryPlan, budget_for, plan_for
-from .runtime.pool import POLICIES
 from .units import human_bytes, parse_size, peak_rss
 
 log = logging.getLogger(__name__)
+
+# RuntimeConfig fields that are not serve flags of their own: --trace FILE sets
+# record_trace, and --decode-concurrency (mlx_lm.server's name) concurrency.
+ENGINE_EXCLUDED = ("record_trace", "concurrency")
+# mlx_lm.server's log lines (it logs each request at info, its default level).
+LOG_FORMAT = "%(asctime)s - %(levelname)s - %(message)s"
 
 # Without --decode-concurrency: as many sequences at once as the budget holds,
 # up to this many (each one more routes a decode step to up to top-k more experts).
@@ -716,92 +720,6 @@ def render_metrics(server: Server) -> str:
     return "\n".join(lines) + "\n"
 
 
-def runtime_options(fn):
-    """The engine's flags, as run-moe spells them."""
-    for option in reversed(
-        [
-            click.option(
-                "--memory-budget",
-                default=None,
-                help="Bound for the whole server process, e.g. 6G (default: 80% "
-                "of RAM): model, KV of every sequence, prompt cache.",
-            ),
-            click.option(
-                "--cache-experts",
-                default=None,
-                type=int,
-                help="Resident experts per MoE layer, instead of what the budget "
-                "allows.",
-            ),
-            click.option(
-                "--context",
-                default=DEFAULT_CONTEXT,
-                show_default=True,
-                type=int,
-                help="Tokens (prompt + generation) of one request; longer prompts "
-                "are refused, generation stops there.",
-            ),
-            click.option(
-                "--dtype",
-                type=click.Choice(DTYPES),
-                default="auto",
-                show_default=True,
-                help="Compute dtype; auto = float32 on CPU, stored dtype on GPU.",
-            ),
-            click.option(
-                "--no-verify",
-                is_flag=True,
-                help="Skip checking each expert's checksum on its first read.",
-            ),
-            click.option(
-                "--policy",
-                type=click.Choice(sorted(POLICIES)),
-                default="lrfu",
-                show_default=True,
-                help="Which resident expert to evict first.",
-            ),
-            click.option(
-                "--no-prefetch",
-                is_flag=True,
-                help="Do not predict and pre-read the next layer's experts (native).",
-            ),
-            click.option(
-                "--engine",
-                type=click.Choice(ENGINES),
-                default="python",
-                show_default=True,
-                help="python: the reference path; native: the compiled engine.",
-            ),
-        ]
-    ):
-        fn = option(fn)
-    return fn
-
-
-def runtime_config(
-    memory_budget: str | None,
-    cache_experts: int | None,
-    context: int,
-    dtype: str,
-    no_verify: bool,
-    policy: str,
-    no_prefetch: bool,
-    engine: str,
-) -> RuntimeConfig:
-    if context < 1:
-        raise ValueError(f"--context must be at least 1 token, got {context}.")
-    return RuntimeConfig(
-        memory_budget=memory_budget,
-        cache_experts=cache_experts,
-        dtype=dtype,
-        verify=not no_verify,
-        context=context,
-        policy=policy,
-        prefetch=False if no_prefetch else None,
-        engine=engine,
-    )
-
-
 def _json_object(ctx, param, value: str) -> dict:
     try:
         parsed = json.loads(value)
@@ -819,12 +737,11 @@ def _size(ctx, param, value: str | None) -> int | None:
         raise click.BadParameter(str(e)) from None
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", prog_name="moestream")
+@click.command(context_settings=CONTEXT)
 @click.argument("model_dir", metavar="OUT", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int, help="0: any free.")
-@runtime_options
+@engine_options(exclude=ENGINE_EXCLUDED)
 @click.option(
     "--allowed-origins",
     default="*",
@@ -867,8 +784,8 @@ def _size(ctx, param, value: str | None) -> int | None:
     "--decode-concurrency",
     default=None,
     type=int,
-    help="Sequences decoded at once (default: as many as fit, up to "
-    f"{DEFAULT_DECODE_CONCURRENCY}).",
+    help="Sequences decoded at once, the engine's concurrency (default: as many "
+    f"as fit, up to {DEFAULT_DECODE_CONCURRENCY}).",
 )
 @click.option(
     "--prompt-concurrency",
@@ -905,12 +822,6 @@ def _size(ctx, param, value: str | None) -> int | None:
     type=int,
 )
 @click.option(
-    "--log-level",
-    default="INFO",
-    show_default=True,
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]),
-)
-@click.option(
     "--trace",
     "trace_file",
     default=None,
@@ -918,26 +829,28 @@ def _size(ctx, param, value: str | None) -> int | None:
     help="Record every MoE layer call and write it as run-moe --trace does "
     "when the server stops (it grows with every token served).",
 )
+@logging_options("info", fmt=LOG_FORMAT)
 def serve_cmd(
-    model_dir: str, host: str, port: int, trace_file: str | None, **flags: Any
+    model_dir: str,
+    host: str,
+    port: int,
+    trace_file: str | None,
+    engine: dict,
+    **flags: Any,
 ) -> None:
     """Serve a converted model OUT with an OpenAI-compatible API (mlx_lm.server's).
 
     POST /v1/chat/completions and /v1/completions (streaming or not), GET
-    /v1/models, /health and /metrics (Prometheus).
+    /v1/models, /health and /metrics (Prometheus). The engine flags are
+    run-moe's; --memory-budget bounds the whole server, prompt cache included.
     """
-    log_level = flags.pop("log_level")
-    logging.basicConfig(
-        level=getattr(logging, log_level),
-        format="%(asctime)s - %(levelname)s - %(message)s",
-    )
-    runtime = {k: flags.pop(k) for k in list(flags) if k in RUNTIME_FLAGS}
     flags["allowed_origins"] = tuple(flags["allowed_origins"].split(","))
 
     def start() -> Server:
         options = ServerOptions(**flags)
-        config = replace(runtime_config(**runtime), record_trace=bool(trace_file))
-        return Server(model_dir, config, options, host, port, log_level)
+        config = RuntimeConfig(**engine, record_trace=bool(trace_file))
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        return Server(model_dir, config, options, host, port, level)
 
     server = user_errors(start)
     click.echo(server.describe(), err=True)
@@ -950,12 +863,14 @@ def serve_cmd(
             "keep it behind a trusted network.",
             err=True,
         )
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
+    # Stop on SIGTERM as on Ctrl-C; the caller's handler is back afterwards.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if trace_file:  # before close, which lets go of the model
             from .trace import write_trace
 
@@ -963,15 +878,3 @@ def serve_cmd(
             click.echo(f"trace: {calls} MoE layer calls -> {trace_file}", err=True)
         server.close()
     click.echo("stopped", err=True)
-
-
-RUNTIME_FLAGS = (
-    "memory_budget",
-    "cache_experts",
-    "context",
-    "dtype",
-    "no_verify",
-    "policy",
-    "no_prefetch",
-    "engine",
-)

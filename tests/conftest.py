@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,16 @@ from helpers import BITS
 
 from moestream.converter import convert
 from moestream.formats import Recipe
+
+
+@pytest.fixture(autouse=True)
+def _root_logger():
+    """Give back the root logger as it was (the CLIs configure it)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

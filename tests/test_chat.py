@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
@@ -85,3 +87,28 @@ def test_a_full_conversation_is_refused_until_reset(converted: Path) -> None:
         chat.say("hello again", 30, greedy)
     chat.reset()
     assert chat.say("hello", 30, greedy).text == first.text
+
+
+def test_chat_flags_reach_the_config_the_model_was_loaded_with(
+    converted: Path, monkeypatch
+) -> None:
+    import moestream.chat
+
+    loaded = []
+
+    def load(*args, **kwargs):
+        model, tok = moestream.load(*args, **kwargs)
+        loaded.append(moestream.runtime_of(model).config)
+        return model, tok
+
+    monkeypatch.setattr(moestream.chat, "load", load)
+    flags = ["--cache-experts", "5", "--context", "64", "--policy", "lru"]
+    flags += ["--lrfu-decay", "0.5", "--no-verify", "--prefetch-extra", "1"]
+    r = CliRunner().invoke(moestream.chat.chat_cmd, [str(converted), *flags], "q\n")
+    assert r.exit_code == 0, r.output
+    (config,) = loaded
+    assert (config.cache_experts, config.context, config.policy) == (5, 64, "lru")
+    assert (config.lrfu_decay, config.verify, config.prefetch_extra) == (0.5, False, 1)
+    bad = CliRunner().invoke(moestream.chat.chat_cmd, [str(converted), "--prefetch"])
+    assert bad.exit_code == 2
+    assert re.fullmatch(r"error: The python engine does not prefetch.*\n", bad.output)

@@ -12,6 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from pathlib import Path
 
 import openai
@@ -380,3 +381,105 @@ def test_serve_refuses_a_budget_it_cannot_hold(converted) -> None:
     )
     assert r.exit_code == 2
     assert re.fullmatch(r"error: Memory budget .* or more\.\n", r.output)
+
+
+# ------------------------------------------------------------------ flags
+
+# Every engine flag given, none at its default: each must reach the model.
+ENGINE_FLAGS = {
+    "--cache-experts": ("5", "cache_experts", 5),
+    "--context": ("200", "context", 200),
+    "--dtype": ("float32", "dtype", "float32"),
+    "--no-verify": (None, "verify", False),
+    "--policy": ("lru", "policy", "lru"),
+    "--prefetch-extra": ("3", "prefetch_extra", 3),
+    "--no-whole-calls": (None, "whole_calls", False),
+    "--lrfu-decay": ("0.5", "lrfu_decay", 0.5),
+    "--engine": ("python", "engine", "python"),
+    "--no-prefetch": (None, "prefetch", False),
+}
+
+
+def test_serve_and_chat_take_every_engine_flag() -> None:
+    """The one generated set (options.engine_options): every RuntimeConfig
+    field, with the help run-moe shows, but those serve sets otherwise."""
+    from moestream.chat import chat_cmd
+    from moestream.options import engine_fields, field_help
+    from moestream.runtime.cli import main as run_main
+    from moestream.serve import ENGINE_EXCLUDED
+
+    expected = set(engine_fields(exclude=ENGINE_EXCLUDED))
+    assert expected == {f.name for f in fields(RuntimeConfig)} - {
+        "record_trace",  # --trace FILE
+        "concurrency",  # --decode-concurrency
+    }
+    assert {f for _, f, _ in ENGINE_FLAGS.values()} == expected - {"memory_budget"}
+    run_help = {p.name: p.help for p in run_main.params}
+    for command in (serve_cmd, chat_cmd):
+        params = {p.name: p for p in command.params}
+        assert expected <= set(params), command.name
+        for name in expected:
+            assert params[name].help.startswith(field_help(name)[:-1])
+            if name in run_help:
+                assert params[name].help == run_help[name]
+    log_level = {p.name: p for p in serve_cmd.params}["log_level"]
+    assert {"debug", "info", "warning", "error", "critical"} == set(
+        log_level.type.choices
+    )
+
+
+def test_serve_flags_reach_the_config_the_model_was_loaded_with(
+    converted, monkeypatch
+) -> None:
+    seen = {}
+
+    def serve_once(server: Server) -> None:  # serve nothing: return at once
+        seen["config"] = moestream.runtime_of(server.model).config
+        seen["plan"] = server.plan
+
+    monkeypatch.setattr(Server, "serve_forever", serve_once)
+    args = ["--port", "0", "--log-level", "warning", "--decode-concurrency", "1"]
+    for flag, (value, _, _) in ENGINE_FLAGS.items():
+        args += [flag] if value is None else [flag, value]
+    r = CliRunner().invoke(serve_cmd, [str(converted), *args], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "stopped" in r.output
+    config = seen["config"]
+    for flag, (_, name, value) in ENGINE_FLAGS.items():
+        assert getattr(config, name) == value, flag
+    assert config.concurrency == 1 and seen["plan"].decode_concurrency == 1
+    assert config.record_trace is False
+    # A budget: it bounds the whole server, so the model gets it less the cache.
+    need = budget_for(converted, 4, 200, RuntimeConfig(concurrency=1))
+    budget = need + 2**20
+    args = ["--port", "0", "--memory-budget", str(budget), "--context", "200"]
+    args += ["--decode-concurrency", "1", "--log-level", "warning"]
+    r = CliRunner().invoke(serve_cmd, [str(converted), *args], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    plan = seen["plan"]
+    assert plan.budget == budget
+    assert seen["config"].memory_budget == budget - plan.prompt_cache_bytes
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lrfu-decay", "2"], r"lrfu_decay must be in \[0.0, 1.0\], got 2.0"),
+        (["--context", "0"], r"context must be in \[1, inf\], got 0"),
+        (["--prefetch"], "python engine does not prefetch"),
+        (["--memory-budget", "3Q"], "Cannot read size '3Q'"),
+        (["--cache-experts", "0"], "at least 1"),
+        (["--decode-concurrency", "0"], "--decode-concurrency must be at least 1"),
+    ],
+)
+def test_serve_bad_engine_value_is_one_line(converted, args, message) -> None:
+    r = CliRunner().invoke(serve_cmd, [str(converted), "--port", "0", *args])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_serve_bad_choice_names_the_flag(converted) -> None:
+    r = CliRunner().invoke(serve_cmd, [str(converted), "--policy", "fifo"])
+    assert r.exit_code == 2 and "'--policy'" in r.output and "fifo" in r.output

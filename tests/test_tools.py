@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 import math
 import re
 import shutil
@@ -103,6 +102,8 @@ def test_every_engine_field_is_one_flag_with_help() -> None:
         ["plan"],
         ["eval"],
         ["plot"],
+        ["serve"],
+        ["chat"],
         [],
     ],
 )
@@ -111,18 +112,8 @@ def test_version_on_every_command(args: list[str]) -> None:
     assert r.exit_code == 0 and moestream.__version__ in r.output
 
 
-@pytest.fixture
-def root_logger():
-    """Give back the root logger as it was (the CLIs configure it)."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 @pytest.mark.parametrize("flags", [["-v"], ["--log-level", "info"], []])
-def test_log_level_and_v_reach_logging(converted: Path, flags, root_logger) -> None:
+def test_log_level_and_v_reach_logging(converted: Path, flags) -> None:
     r = invoke(run_main, [converted, "-p", "x", "-m", 2, "--cache-experts", 3, *flags])
     assert r.exit_code == 0, r.output
     logged = "INFO moestream.runtime.loader: memory plan:" in r.output
