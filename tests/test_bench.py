@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ from click.testing import CliRunner
 from mlx_lm import load as mlx_load
 
 import moestream
-from moestream.bench.harness import capacity_for
+from moestream.bench.harness import BenchConfig, capacity_for, plan_rows
 from moestream.bench.models import Scale, export_mlx, write_synthetic
 from moestream.bench.replay import belady_hits, policy_hits, replay_all
 from moestream.cli import main as moestream_cli
@@ -98,7 +99,44 @@ def test_capacity_for_budget_rows():
     assert capacity_for(100, 64, 8) == 64
 
 
+COMPARE = "policy=lru,whole_calls=true"
+
+
+def test_bench_rows_cover_budgets_modes_and_variants(synthetic):
+    """The table's rows, without running them: resident, each budget in each
+    mode for the base options and each --compare variant, the no-verify row."""
+    cfg = BenchConfig(
+        synthetic,
+        budgets=(50, 12.5),
+        compare=(("policy=lru", {"policy": "lru"}),),
+    )
+    rows = plan_rows(cfg)
+    assert [(r.name, r.mode, r.variant) for r in rows] == [
+        ("resident", "-", ""),
+        ("50 %", "warm", ""),
+        ("50 % policy=lru", "warm", "policy=lru"),
+        ("50 %", "cold", ""),
+        ("50 % policy=lru", "cold", "policy=lru"),
+        ("12.5 %", "warm", ""),
+        ("12.5 % policy=lru", "warm", "policy=lru"),
+        ("12.5 %", "cold", ""),
+        ("12.5 % policy=lru", "cold", "policy=lru"),
+        ("25 % no-verify", "cold", ""),
+    ]
+    assert rows[0].job.capacity is None  # mlx-lm's resident model
+    assert [r.job.capacity for r in rows[1:5]] == [4] * 4  # 50 % of 8
+    assert [r.job.capacity for r in rows[5:9]] == [2] * 4  # never below top-k
+    assert [r.job.cold for r in rows[1:]] == [False, False, True, True] * 2 + [True]
+    assert {r.job.runtime.policy for r in rows if r.variant} == {"lru"}
+    assert {r.job.runtime.policy for r in rows if not r.variant} == {"lrfu"}
+    assert rows[-1].job.runtime.verify is False
+    warm_only = plan_rows(replace(cfg, modes=("warm",)))
+    assert [r.mode for r in warm_only] == ["-"] + ["warm"] * 4  # no no-verify row
+
+
 def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
+    """End to end, every run a fresh process; cold runs only (a warm run is a
+    cold one without the page-cache drops; the rows are checked above)."""
     figure = tmp_path / "bench.png"
     r = CliRunner().invoke(
         moestream_cli,
@@ -107,6 +145,8 @@ def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
             str(synthetic),
             "--budgets",
             "50",
+            "--modes",
+            "cold",
             "--tokens",
             "3",
             "--prompt-tokens",
@@ -114,7 +154,7 @@ def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
             "--repeats",
             "1",
             "--compare",
-            "policy=lru,whole_calls=true",
+            COMPARE,
             "--json",
             "--plot",
             str(figure),
@@ -126,21 +166,19 @@ def test_bench_cli_prints_ratio_table(synthetic, tmp_path):
     rows = {(x["row"], x["mode"]): x for x in result["rows"]}
     assert set(rows) == {
         ("resident", "-"),
-        ("50 %", "warm"),
         ("50 %", "cold"),
-        ("50 % policy=lru,whole_calls=true", "warm"),
-        ("50 % policy=lru,whole_calls=true", "cold"),
+        (f"50 % {COMPARE}", "cold"),
         ("25 % no-verify", "cold"),
     }
     for row in rows.values():
         assert row["tokens_match"]  # exact output in every run
         assert row["decode_tps"] > 0
         assert len(row["decode_ratios"]) == 1
-    assert rows[("50 %", "warm")]["variant"] == ""
-    variant = rows[("50 % policy=lru,whole_calls=true", "warm")]
-    assert variant["variant"] == "policy=lru,whole_calls=true"
-    assert variant["policy"] == variant["lru"]  # its replay is of its own policy
     cold = rows[("50 %", "cold")]
+    assert cold["variant"] == ""
+    variant = rows[(f"50 % {COMPARE}", "cold")]
+    assert variant["variant"] == COMPARE
+    assert variant["policy"] == variant["lru"]  # its replay is of its own policy
     assert cold["capacity"] == 4 and cold["peak_over_budget"] > 0
     assert cold["belady"] >= cold["policy"] - 1e-9 and cold["belady"] >= cold["lru"]
     assert result["disk_gbps"]["qd1"] > 0

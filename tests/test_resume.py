@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -159,23 +161,62 @@ KILL_POINTS = [
 ]
 
 
-def run_killed(point: tuple[str, str, int], args: list[str]) -> int:
-    r = subprocess.run(
-        [sys.executable, str(KILLER), *map(str, point), *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    return r.returncode
+class Killer:
+    """tests/killed_convert.py's fork server: each conversion is a fresh child
+    of a process that imported moestream once (a second, not one per kill)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(KILLER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def _answer(self) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+        assert ready, "the conversion did not end within 120 s"
+        line = self.proc.stdout.readline()
+        assert line, "the fork server died"
+        return json.loads(line)
+
+    def start(self, point: tuple[str, str, int] | None, args: list) -> int:
+        """Fork a conversion; its pid."""
+        job = {"point": point, "args": [str(a) for a in args]}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()["pid"]
+
+    def wait(self) -> int:
+        """The conversion's exit status, as subprocess gives it."""
+        return self._answer()["rc"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        finally:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def killer():
+    k = Killer()
+    yield k
+    k.close()
+
+
+def run_killed(killer: Killer, point: tuple[str, str, int], args: list) -> int:
+    killer.start(point, args)
+    return killer.wait()
 
 
 @pytest.mark.parametrize("point", KILL_POINTS, ids=lambda p: f"{p[1]}#{p[2]}")
 def test_sigkill_then_resume_byte_identical(
-    hf_dir: Path, converted: Path, tmp_path: Path, point
+    hf_dir: Path, converted: Path, tmp_path: Path, point, killer
 ) -> None:
     out = tmp_path / "out"
-    rc = run_killed(point, [hf_dir, out, "--bits", BITS])
+    rc = run_killed(killer, point, [hf_dir, out, "--bits", BITS])
     assert rc == -signal.SIGKILL, "the kill point was never reached"
     assert_not_valid(out)
     r = CliRunner().invoke(convert_main, [str(hf_dir), str(out), "--bits", BITS])
@@ -185,23 +226,20 @@ def test_sigkill_then_resume_byte_identical(
 
 
 def test_sigkill_from_outside_then_resume(
-    hf_dir: Path, converted: Path, tmp_path: Path
+    hf_dir: Path, converted: Path, tmp_path: Path, killer
 ) -> None:
     """Killed by another process as soon as the first blob appears."""
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moestream", "convert", hf_dir, out, "--bits", BITS],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    pid = killer.start(None, [hf_dir, out, "--bits", BITS])
     experts = partial_dir(out) / "experts"
     deadline = time.monotonic() + 60
-    while proc.poll() is None and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (out / "manifest.json").exists():
         if experts.is_dir() and any(experts.iterdir()):
-            proc.send_signal(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended
+                os.kill(pid, signal.SIGKILL)  # the child: the server reaps it
             break
         time.sleep(0.0005)
-    rc = proc.wait()
+    rc = killer.wait()
     if rc == -signal.SIGKILL:
         assert_not_valid(out)
         args = [str(hf_dir), str(out), "--bits", BITS, "--resume"]

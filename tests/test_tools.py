@@ -22,6 +22,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import compute_bits_per_weight, load_tokenizer
 
 import moestream
+import moestream.plan
 from moestream.cli import main as cli
 from moestream.evaluate import evaluate, sequences
 from moestream.options import engine_options, field_help
@@ -391,7 +392,7 @@ def test_default_budget_is_what_the_model_needs(converted: Path, monkeypatch) ->
     assert loader.default_budget(need, 50 << 20) == int(0.8 * (90 << 20))
 
 
-def test_plan_forecast_from_probes(converted: Path) -> None:
+def test_plan_forecast_from_probes(converted: Path, monkeypatch) -> None:
     r = invoke(cli, ["plan", converted, "--cache-experts", 4, "--json"])
     assert r.exit_code == 0, r.output
     result = json.loads(r.output)
@@ -403,13 +404,26 @@ def test_plan_forecast_from_probes(converted: Path) -> None:
         assert f["misses_per_token"] == pytest.approx((1 - f["hit_rate"]) * 2 * 2)
         assert 0 < f["cold_tps"] <= f["warm_tps"] <= 1 / probe["token_s"]
     assert rows[0]["warm_tps"] < rows[-1]["warm_tps"]
+    # The next two forecast from the probe just measured (the probes take
+    # seconds; what is tested here is the forecast and its table).
+    probes = []
+
+    def same_probe(*args, **kwargs):
+        probes.append(args)
+        return moestream.plan.Probe(**probe)
+
+    monkeypatch.setattr(moestream.plan, "run_probe", same_probe)
     r = invoke(cli, ["plan", converted, "--cache-experts", 4, "--hit-rate", 0.8])
     assert "4 of 8 per layer (50 % resident)" in r.output
     table = r.output[r.output.index("hit rate  misses") :].splitlines()[1:]
     assert [line.split()[0] for line in table] == ["0.500", "0.800"]
+    warm = [float(line.split()[3]) for line in table]
+    assert warm[0] == pytest.approx(rows[0]["warm_tps"], abs=0.006)  # same probe
     full = invoke(cli, ["plan", converted, "--json"])
     (row,) = json.loads(full.output)["forecast"]
     assert row["hit_rate"] == 1.0 and row["bytes_per_token"] == 0
+    assert row["warm_tps"] == pytest.approx(1 / probe["token_s"])
+    assert len(probes) == 2
 
 
 # ------------------------------------------------------------------ eval
