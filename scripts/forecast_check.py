@@ -3,7 +3,9 @@
 For each slot count: run-moe decodes (fresh process, warm page cache,
 sampled at temperature 1 from the packaged bench prompt), then `moestream
 plan` forecasts at the hit rate that run measured (and at uniform routing's);
-interleaved over rounds, medians reported.
+interleaved over rounds, medians reported, with the spread of the measured
+runs and the machine's load average while they ran (a shared machine's
+speed moves with it).
 
     python scripts/forecast_check.py OUT --slots 64,16,8 [--rounds 2] [--tokens 24]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -77,17 +80,20 @@ def main() -> None:
     prompt = text[:64]
     slots = [int(s) for s in a.slots.split(",")]
     rows: dict[int, list[dict]] = {s: [] for s in slots}
+    loads = [os.getloadavg()[0]]
     for r in range(a.rounds):
         for s in slots:
             m = measure(a.out, s, a.tokens, prompt)
             f = forecast(a.out, s, m["hit_rate"])
             rows[s].append({"measured": m, "forecast": f})
+            loads.append(os.getloadavg()[0])
             print(f"round {r + 1} slots {s}: ok", file=sys.stderr, flush=True)
     print(
-        "| slots | hit rate (run) | measured tok/s | forecast at that hit rate "
-        "| forecast, uniform routing | probe compute tok/s |"
+        "| slots | hit rate (run) | measured tok/s (spread) | forecast at that hit "
+        "rate | forecast / measured | forecast, uniform routing "
+        "| probe compute tok/s |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for s, runs in rows.items():
 
         def med(fn, runs=runs):
@@ -98,10 +104,12 @@ def main() -> None:
         at_hit = med(lambda x: x["forecast"]["forecast"][-1]["warm_tps"])
         uniform = med(lambda x: x["forecast"]["forecast"][0]["warm_tps"])
         compute = med(lambda x: 1 / x["forecast"]["probe"]["token_s"])
+        spread = [x["measured"]["generation_tps"] for x in runs]
         print(
-            f"| {s} | {hit:.3f} | {tps:.2f} | {at_hit:.2f} | {uniform:.2f} "
-            f"| {compute:.2f} |"
+            f"| {s} | {hit:.3f} | {tps:.2f} ({min(spread):.2f}-{max(spread):.2f}) "
+            f"| {at_hit:.2f} | {at_hit / tps:.2f} | {uniform:.2f} | {compute:.2f} |"
         )
+    print(f"\nload average (1 min) during the runs: {min(loads):.1f}-{max(loads):.1f}")
 
 
 if __name__ == "__main__":

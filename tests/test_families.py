@@ -156,12 +156,19 @@ class _Recorder(nn.Module):
 
 def test_prefetch_router_matches_the_blocks_choice(case: Case):
     """The router prefetch finds in each block picks the experts the block picks."""
-    ref = resident_model(case.src, Recipe.parse(_bits(case)))
+    ref = case.reference  # its SwitchGLUs recorded for one call, then put back
     recorders = {}
-    for path, module in switch_modules(ref).items():
-        recorders[path] = _Recorder(module)
-        replace_module(ref, path, recorders[path])
-    mx.eval(ref(PROMPT))
+    originals = switch_modules(ref)
+    try:
+        for path, module in originals.items():
+            recorders[path] = _Recorder(module)
+            replace_module(ref, path, recorders[path])
+        mx.eval(ref(PROMPT))
+    finally:
+        for path, module in originals.items():
+            replace_module(ref, path, module)
+    restored = switch_modules(ref)
+    assert all(restored[p] is m for p, m in originals.items())
     config = json.loads((case.src / "config.json").read_text())
     top_k = FAMILIES[case.family].top_k(config)
     for path, rec in recorders.items():
