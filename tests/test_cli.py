@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -130,17 +131,21 @@ def test_convert_cli(hf_dir: Path, tmp_path: Path) -> None:
     assert manifest["recipe"]["experts"]["down_proj"] == 8
 
 
-def test_console_scripts_and_module(converted: Path) -> None:
+def test_console_scripts_and_module(converted: Path, monkeypatch, capsys) -> None:
     exe = Path(sys.executable).parent
-    commands = [  # side by side: each spends seconds importing mlx-lm
+    r = subprocess.run(  # the installed console script, as a user runs it
         [exe / "run-moe", str(converted), "-p", "def", "-m", "4", "--json"],
-        [sys.executable, "-m", "moestream", "--help"],
-    ]
-    procs = [
-        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for c in commands
-    ]
-    (out, err), (help_out, _) = [p.communicate(timeout=120) for p in procs]
-    assert procs[0].returncode == 0, err
-    assert "tokens" in json.loads(out.strip().splitlines()[-1])
-    assert procs[1].returncode == 0 and "convert" in help_out and "run" in help_out
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "tokens" in json.loads(r.stdout.strip().splitlines()[-1])
+    # `python -m moestream --help`: the package's __main__, as runpy runs it
+    # (in this process: a second interpreter would spend seconds importing)
+    monkeypatch.setattr(sys, "argv", ["moestream", "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("moestream", run_name="__main__", alter_sys=True)
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "convert" in out and "run" in out

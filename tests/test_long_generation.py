@@ -104,7 +104,7 @@ def test_repeated_loads_release_file_descriptors(converted) -> None:
     model, _ = moestream.load(converted, cache_experts=2)
     del model
     before = open_fds()
-    for _ in range(40):
+    for _ in range(10):  # any leak shows at the first load
         model, _ = moestream.load(converted, cache_experts=2)
         mx.eval(model(mx.array([[1, 2, 3]])))
         del model
