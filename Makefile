@@ -28,11 +28,16 @@ format: $(STAMP)
 	$(BIN)/ruff format $(LINTED)
 	$(BIN)/ruff check --fix $(LINTED)
 
+# Test processes side by side (pytest-xdist), each test file in one of them so
+# that module fixtures are built once; TEST_WORKERS=0 runs them in this one.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(XDIST)
 
 test-all: lint
-	$(BIN)/pytest -q -m ""
+	$(BIN)/pytest -q -m "" $(XDIST)
 
 demo: $(STAMP)
 	$(BIN)/convert-moe examples/stdlib-moe $(DEMO_OUT) --force
