@@ -116,7 +116,10 @@ def forecast_at(hit: float, manifest: Manifest, config: dict, probe: Probe) -> F
     misses = (1 - hit) * k * len(manifest.layers)
     record = statistics.mean(layer.record_nbytes for layer in manifest.layers)
     base = probe.token_s + misses * probe.miss_s
-    warm = base + misses * record / (probe.page_cache_gbps * 1e9)
+    # A record in the page cache is never slower to read than from the disk;
+    # on a loaded machine the two probes can say otherwise: take the faster.
+    cached = max(probe.page_cache_gbps, probe.disk_parallel_gbps)
+    warm = base + misses * record / (cached * 1e9)
     cold = base + misses * record / (probe.disk_parallel_gbps * 1e9)
     return Forecast(hit, misses, misses * record, 1 / warm, 1 / cold)
 

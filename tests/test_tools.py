@@ -426,6 +426,27 @@ def test_plan_forecast_from_probes(converted: Path, monkeypatch) -> None:
     assert len(probes) == 2
 
 
+def test_forecast_reads_the_page_cache_no_slower_than_the_disk(converted: Path):
+    from mlx_lm.utils import load_config
+
+    from moestream.formats import load_manifest
+    from moestream.plan import Probe, forecast_at
+
+    manifest, config = load_manifest(converted), load_config(converted)
+    record = sum(x.record_nbytes for x in manifest.layers) / len(manifest.layers)
+    normal = forecast_at(0.5, manifest, config, Probe(0.01, 1e-4, 0.2, 0.5, 4.0))
+    assert normal.cold_tps < normal.warm_tps
+    # 2 misses per token (2 layers, top-2, half resident), each 1e-4 s + reads
+    assert 1 / normal.warm_tps == pytest.approx(0.01 + 2 * (1e-4 + record / 4e9))
+    # a loaded machine's probes: the page cache measured slower than the disk
+    noisy = forecast_at(0.5, manifest, config, Probe(0.01, 1e-4, 0.2, 0.5, 0.3))
+    assert (
+        noisy.warm_tps
+        == noisy.cold_tps
+        == pytest.approx(1 / (0.01 + 2 * (1e-4 + record / 0.5e9)))
+    )
+
+
 # ------------------------------------------------------------------ eval
 
 
