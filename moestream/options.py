@@ -20,7 +20,7 @@ import click
 
 from . import __version__
 
-METAVARS = {"memory_budget": "SIZE"}
+METAVARS = {"memory_budget": "SIZE", "host_budget": "SIZE"}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

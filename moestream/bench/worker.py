@@ -110,6 +110,7 @@ def run(job: Job) -> dict:
         "decode_tokens": n,
         "tokens": tokens,
         "peak_rss": peak_rss(),
+        "device_peak": mx.get_peak_memory() if mx.default_device() != mx.cpu else None,
     }
     if runtime is not None:
         s = runtime.stats
@@ -117,6 +118,7 @@ def run(job: Job) -> dict:
         result["bytes_per_token"] = s.bytes_read / max(n, 1)
         result["budget"] = runtime.plan.budget
         result["capacity"] = runtime.plan.capacity
+        result["host_tier"] = runtime.plan.host_tier
         traces = s.routing()
         capacity, cfg = runtime.plan.capacity, job.runtime
         result["replay"] = replay_all(traces, capacity, cfg.policy, cfg.lrfu_decay)

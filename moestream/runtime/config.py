@@ -15,6 +15,7 @@ BOUNDS = (
     ("context", 1, float("inf")),
     ("prefetch_extra", 0, float("inf")),
     ("lrfu_decay", 0.0, 1.0),
+    ("readers", 1, 256),
 )
 
 
@@ -51,6 +52,15 @@ class RuntimeConfig:
     engine: "python" runs the reference path (one host sync per MoE layer);
         "native" resolves slots and reads misses inside MLX's stream (the
         compiled extension, CPU and CUDA), so decode never syncs per layer.
+    host_budget: bytes (or "32G") of host memory for the native engine's
+        host tier of expert records, between the blob and the slots; outside
+        `memory_budget`. Its reader threads read a call's misses in parallel,
+        and the next layer's predicted experts ahead of its router. On a GPU
+        the tier is always there (pinned memory that the slot copies read over
+        the bus); default: every record if that fits in half the memory
+        available at load, else that half. On a CPU: none unless given (the
+        page cache is the host tier there).
+    readers: reader threads of the host tier (shared by every loaded model).
     concurrency: sequences decoded at once (a server's batch): the KV cache and
         activations are sized for that many, and each layer needs at least
         min(experts, concurrency x top-k) slots, as a batch's decode step routes
@@ -70,6 +80,8 @@ class RuntimeConfig:
     # A half-life of ~34 tokens: best of those replayed on the trained fixture.
     lrfu_decay: float = 0.98
     engine: str = "python"
+    host_budget: int | str | None = None
+    readers: int = 8
     concurrency: int = 1
 
     def __post_init__(self) -> None:
@@ -97,6 +109,11 @@ class RuntimeConfig:
             raise ValueError(
                 "The python engine does not prefetch (it measured slower with it); "
                 "use engine='native' or leave prefetch unset."
+            )
+        if self.host_budget is not None and self.engine == "python":
+            raise ValueError(
+                "The host tier belongs to the native engine; use engine='native' "
+                "or leave host_budget unset."
             )
         for name, low, high in BOUNDS:
             value = getattr(self, name)

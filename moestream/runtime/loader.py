@@ -30,6 +30,7 @@ from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
 from ..units import human_bytes, parse_size, peak_rss
+from . import native
 from .config import RuntimeConfig
 from .prefetch import chain_prefetch, router_predictor  # noqa: F401  (old home)
 from .stats import RuntimeStats
@@ -68,6 +69,16 @@ class MemoryPlan:
     capacity: int
     num_experts: int
     concurrency: int = 1  # sequences the KV cache and activations are sized for
+    # The native engine's host tier (RuntimeConfig.host_budget): records of
+    # `host_record` bytes in host memory (pinned on a GPU), outside `budget`.
+    host_records: int = 0
+    host_record: int = 0
+    host_budget: int | None = None
+    host_pinned: bool = False
+
+    @property
+    def host_tier(self) -> int:
+        return self.host_records * self.host_record
 
     @property
     def pools(self) -> int:
@@ -86,7 +97,19 @@ class MemoryPlan:
             f"{h(self.kv_cache)}{seqs} + activations {h(self.activations)} + staging "
             f"{h(self.staging)} + reserve {h(self.reserve)} + experts "
             f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer) = "
-            f"{h(self.total)}" + (f" of {h(self.budget)}" if self.budget else "")
+            f"{h(self.total)}"
+            + (f" of {h(self.budget)}" if self.budget else "")
+            + self.describe_host()
+        )
+
+    def describe_host(self) -> str:
+        if not self.host_records:
+            return ""
+        kind = "pinned " if self.host_pinned else ""
+        bound = f" of {human_bytes(self.host_budget)}" if self.host_budget else ""
+        return (
+            f"; host tier {human_bytes(self.host_tier)}{bound} ({kind}host memory, "
+            f"{self.host_records} records of {human_bytes(self.host_record)})"
         )
 
 
@@ -148,6 +171,10 @@ def load(
     stats = RuntimeStats(recording=cfg.record_trace)
     store = ExpertStore(directory, manifest, verify=cfg.verify)
     outstanding = Outstanding()
+    tier = None
+    if plan.host_records:
+        tier = native.host_tier(plan, cfg.readers)
+        stats.native.append(tier)
     streaming = {}
     for spath, module in switches.items():
         streaming[spath] = StreamingSwitchGLU(
@@ -159,6 +186,7 @@ def load(
             stats,
             outstanding,
             cfg,
+            tier,
         )
         replace_module(model, spath, streaming[spath])
     if cfg.prefetches:  # the native engine's read-ahead
@@ -198,7 +226,7 @@ def _plan_model(
     cfg: RuntimeConfig,
 ) -> MemoryPlan:
     budget = cfg.memory_budget
-    return plan_memory(
+    plan = plan_memory(
         manifest,
         config,
         _nbytes(model),
@@ -209,6 +237,42 @@ def _plan_model(
         cfg.cache_experts,
         cfg.spare_slot,
         cfg.concurrency,
+    )
+    return plan_host_tier(plan, manifest, cfg)
+
+
+def plan_host_tier(
+    plan: MemoryPlan, manifest: Manifest, cfg: RuntimeConfig
+) -> MemoryPlan:
+    """The native engine's host tier under `cfg.host_budget`: on a GPU always
+    (the records a call copies to its slots live there; default: every record
+    if that fits in half the memory available now, else that half), on a CPU
+    only when a budget is given (the page cache is its host tier)."""
+    if cfg.engine != "native" or plan.capacity >= plan.num_experts:
+        return plan
+    on_gpu = mx.default_device() != mx.cpu
+    if cfg.host_budget is None and not on_gpu:
+        return plan
+    record = max(layer.record_nbytes for layer in manifest.layers)
+    every = sum(layer.num_experts for layer in manifest.layers)
+    if cfg.host_budget is None:
+        budget = min(every * record, _available_memory() // 2)
+    else:
+        budget = parse_size(cfg.host_budget)
+    records = min(every, budget // record)
+    if records < plan.capacity:  # one call's misses are read into it at once
+        raise BudgetError(
+            f"Host budget {human_bytes(budget)} holds {records} expert records; "
+            f"one call of {plan.capacity} slots needs {plan.capacity} "
+            f"({human_bytes(plan.capacity * record, up=True)}): give --host-budget "
+            f"{human_bytes(plan.capacity * record, up=True)} or more."
+        )
+    return replace(
+        plan,
+        host_records=records,
+        host_record=record,
+        host_budget=budget if cfg.host_budget is not None else None,
+        host_pinned=on_gpu,
     )
 
 
