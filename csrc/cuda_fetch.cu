@@ -270,10 +270,17 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
   for (int i = 0; i < g.nseg; i++) {
     dsts.p[i] = static_cast<uint8_t*>(mlx::core::gpu_ptr<void>(c.slots[i]));
   }
+  uint8_t* tier = c.tier()->data;
+  int64_t tier_stride = c.tier()->record_bytes; // a copy: parameters are not const
+  // Until the stream has run this call: the slots its copies write, and the
+  // cache (with its host tier) that its host function and copies use.
+  for (auto& a : c.slots) {
+    enc.add_temporary(a);
+  }
+  enc.add_completed_handler([keep = c.shared_from_this()] {});
   enc.add_kernel_node(
       kernels().apply_plan, dim3(32, g.max_stage), dim3(256), g.plan,
-      g.max_stage, c.tier()->data, c.tier()->record_bytes, g.segs, dsts, g.nseg,
-      g.out,
+      g.max_stage, tier, tier_stride, g.segs, dsts, g.nseg, g.out,
       mlx::core::gpu_ptr<uint32_t>(out), int(n));
 }
 
