@@ -285,7 +285,6 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
 }
 
 void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {
-  gpu_state(c);
   cu::device(mlx::core::Device(mlx::core::Device::gpu)).make_current();
   std::vector<float> widened;
   for (size_t i = 0; i < c.segments.size(); i++) {
