@@ -140,3 +140,18 @@ def test_host_budget_too_small_is_one_line(converted):
         moestream.load(converted, cache_experts=3, engine="native", host_budget=100)
     with pytest.raises(ValueError, match="host tier belongs to the native engine"):
         moestream.load(converted, cache_experts=3, host_budget="1G")
+
+
+def test_run_moe_stats_show_the_host_tier(converted):
+    from click.testing import CliRunner
+
+    from moestream.runtime.cli import main as run_main
+
+    args = [str(converted), "-p", "def", "-m", "6", "--ignore-chat-template"]
+    tier = ["--engine", "native", "--cache-experts", "3", "--host-budget", "64M"]
+    r = CliRunner().invoke(run_main, [*args, *tier, "--stats", "-v"])
+    assert r.exit_code == 0, r.output
+    assert "host tier hit" in r.stderr and "slot fills" in r.stderr
+    assert "host tier" in r.stderr.split("memory plan:")[1].split("\n")[0]
+    r = CliRunner().invoke(run_main, [*args, "--cache-experts", "3", "--stats"])
+    assert r.exit_code == 0 and "host tier" not in r.stderr

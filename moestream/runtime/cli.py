@@ -394,10 +394,22 @@ def main(
             f"prompt {s['prompt_tokens']} tok, {s['prompt_tps']:.1f} tok/s | "
             f"decode {s['generation_tokens']} tok, {s['generation_tps']:.1f} "
             f"tok/s | hit rate {s['hit_rate']:.3f} | "
-            f"{s['decode_bytes_per_token'] / 1e6:.2f} MB read/token | "
+            + host_tier_stats(s)
+            + f"{s['decode_bytes_per_token'] / 1e6:.2f} MB read/token | "
             f"peak {s['peak_memory'] / 2**20:.0f} MB",
             err=True,
         )
+
+
+def host_tier_stats(s: dict) -> str:
+    """The host tier's part of the --stats line (native engine), if it served."""
+    served = s["host_hits"] + s["host_late"] + s["host_misses"]
+    if not served:
+        return ""
+    return (
+        f"host tier hit {s['host_hit_rate']:.3f} of {served} slot fills "
+        f"({s['host_late']} still being read ahead) | "
+    )
 
 
 def report(model: nn.Module, gen: Generation) -> dict:
