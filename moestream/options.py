@@ -80,6 +80,7 @@ def _option(f: Any) -> Callable:
         "float": float,
         "float|None": float,
         "str": str,
+        "str|None": str,
         "int|str|None": str,
     }
     if kind not in types:

@@ -248,7 +248,7 @@ def plan_host_tier(
     (the records a call copies to its slots live there; default: every record
     if that fits in half the memory available now, else that half), on a CPU
     only when a budget is given (the page cache is its host tier)."""
-    if cfg.engine != "native" or plan.capacity >= plan.num_experts:
+    if cfg.engine_used != "native" or plan.capacity >= plan.num_experts:
         return plan
     on_gpu = mx.default_device() != mx.cpu
     if cfg.host_budget is None and not on_gpu:

@@ -40,6 +40,10 @@ def available() -> bool:
     return _native is not None and _native.mlx_version == mx.__version__
 
 
+def cuda_available() -> bool:
+    return available() and _native.built_with_cuda()
+
+
 def require() -> None:
     """Raise one clear line when the native engine cannot run in this process."""
     if _native is None:

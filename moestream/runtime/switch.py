@@ -100,7 +100,7 @@ class StreamingSwitchGLU(nn.Module):
         self._targets = self._allocate_slots()
         slots = [m[n] for m, n in self._targets]
         self._native = None
-        if config.engine == "native":
+        if config.engine_used == "native":
             self._native = native.expert_cache(
                 store.readers[layer.layer].path,
                 layer,
