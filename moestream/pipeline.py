@@ -18,14 +18,16 @@ receives, sends and gathers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
@@ -249,6 +251,24 @@ def _cache_arg(args: tuple, kwargs: dict) -> Any:
     return args[1] if len(args) > 1 else None
 
 
+# How MLX's distributed backends begin the errors of a lost peer.
+LOST_PEER = re.compile(r"^\[(ring|jaccl|mpi|nccl)\]")
+
+
+@contextlib.contextmanager
+def lost_peers(group: mx.distributed.Group) -> Iterator[None]:
+    """Turn a backend's error for a peer that went away into one clear line."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not LOST_PEER.match(str(e)):
+            raise
+        raise PipelineError(
+            f"rank {group.rank()}: the pipeline broke ({' '.join(str(e).split())}): "
+            "another rank stopped; its own error says why."
+        ) from e
+
+
 def init() -> mx.distributed.Group:
     """The group `mlx.launch` set up (a group of one without a launcher)."""
     return mx.distributed.init()
@@ -291,16 +311,23 @@ def load_stage(
     config: RuntimeConfig,
     group: mx.distributed.Group,
     tokenizer: TokenizerWrapper | None = None,
+    tokenizer_config: dict | None = None,
     progress: bool = False,
 ) -> tuple[nn.Module, TokenizerWrapper, Stage]:
-    """Load this rank's stage of OUT; any rank's failure is raised on all."""
+    """Load this rank's stage of OUT (`load`'s arguments); any rank's failure
+    is raised on every rank."""
     check_same_model(group, path)
     model = tok = stage = None
     error = ""
     try:
         stage = stages(path, group.size(), config)[group.rank()]
         model, tok = load(
-            path, config, tokenizer=tokenizer, progress=progress, shard=shard(stage)
+            path,
+            config,
+            tokenizer=tokenizer,
+            tokenizer_config=tokenizer_config,
+            progress=progress,
+            shard=shard(stage),
         )
         connect(model, stage)
     except (ValueError, OSError) as e:
@@ -341,3 +368,59 @@ def plan_stages(
     """Each rank's stage and memory plan, without reading a weight."""
     cfg = config or RuntimeConfig()
     return [(s, plan_for(path, cfg, shard=shard(s))) for s in stages(path, size, cfg)]
+
+
+def run_rank(
+    path: str,
+    encode: Callable[[TokenizerWrapper], list[int]],
+    engine: dict,
+    max_tokens: int,
+    sampling: Any,
+    seed: int | None,
+    on_text: Callable[[str], None] | None = None,
+    show_plan: bool = False,
+) -> dict | None:
+    """run-moe --pipeline on this rank: generate with every rank in step;
+    rank 0 returns run-moe's report, with every rank's figures under "ranks"."""
+    from .runtime.cli import generate, report
+
+    group = init()
+    tok = _tokenizer(path, engine.get("verify", True))
+    ids = encode(tok)
+    config = RuntimeConfig(**engine, context=len(ids) + max_tokens)
+    first = group.rank() == 0
+    model, tok, stage = load_stage(path, config, group, tokenizer=tok)
+    plans = gather_text(
+        group, f"rank {stage.rank}: {runtime_of(model).plan.describe()}"
+    )
+    if show_plan and first:
+        for line in plans:
+            click.echo(line, err=True)
+    mx.random.seed(shared_seed(group, seed))
+    with lost_peers(group):
+        gen = generate(
+            model, tok, ids, max_tokens, sampling, on_text if first else None
+        )
+        ranks = rank_report(group, model, stage)
+    if not first:
+        return None
+    result = report(model, gen)
+    result["stats"]["ranks"] = ranks
+    return result
+
+
+def _tokenizer(path: str, verify: bool) -> TokenizerWrapper:
+    """The tokenizer, its files checked first (as run-moe does)."""
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    from .formats.verify import check_files
+
+    manifest = load_manifest(path)
+    if verify:
+        check_files(Path(path), manifest, skip=manifest.dense_files)
+    config = load_config(Path(path))
+    return load_tokenizer(
+        Path(path),
+        {"trust_remote_code": False},
+        eos_token_ids=config.get("eos_token_id"),
+    )
