@@ -21,7 +21,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,6 +273,38 @@ def lost_peers(group: mx.distributed.Group) -> Iterator[None]:
         ) from e
 
 
+@contextlib.contextmanager
+def ended_by_launcher(rank: int) -> Iterator[None]:
+    """mlx.launch ends the other ranks (SIGTERM) when one fails: say so in one
+    line. A thread does it, since the main thread may be waiting in MLX."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+
+    def watch() -> None:
+        while (got := os.read(read, 1)) and got[0] != signal.SIGTERM:
+            pass  # another signal (Ctrl-C): the main thread handles it
+        if got:  # not EOF, which is the run ending
+            sys.stderr.write(
+                f"error: rank {rank}: stopped by mlx.launch because another rank "
+                "failed; that rank's error says why.\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    wakeup = signal.set_wakeup_fd(write)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(wakeup)
+        signal.signal(signal.SIGTERM, previous)
+        os.close(write)
+        thread.join()
+        os.close(read)
+
+
 def init() -> mx.distributed.Group:
     """The group `mlx.launch` set up (a group of one without a launcher)."""
     return mx.distributed.init()
@@ -290,9 +326,9 @@ def check_same_model(group: mx.distributed.Group, path: str | Path) -> None:
     odd = [r for r, d in enumerate(digests) if d != digests[0]]
     if odd:
         raise PipelineError(
-            f"rank {odd[0]}'s {path} differs from rank 0's (manifest.json sha256 "
-            f"{digests[odd[0]][:12]} vs {digests[0][:12]}): copy the same converted "
-            "folder to every machine."
+            f"rank {odd[0]}'s converted folder differs from rank 0's (manifest.json "
+            f"sha256 {digests[odd[0]][:12]} vs {digests[0][:12]}): copy the same "
+            "converted folder to every machine."
         )
 
 
@@ -367,7 +403,13 @@ def plan_stages(
 ) -> list[tuple[Stage, MemoryPlan]]:
     """Each rank's stage and memory plan, without reading a weight."""
     cfg = config or RuntimeConfig()
-    return [(s, plan_for(path, cfg, shard=shard(s))) for s in stages(path, size, cfg)]
+    out = []
+    for s in stages(path, size, cfg):
+        try:
+            out.append((s, plan_for(path, cfg, shard=shard(s))))
+        except ValueError as e:
+            raise PipelineError(f"rank {s.rank}: {e}") from e
+    return out
 
 
 def run_rank(
@@ -385,19 +427,18 @@ def run_rank(
     from .runtime.cli import generate, report
 
     group = init()
-    tok = _tokenizer(path, engine.get("verify", True))
-    ids = encode(tok)
-    config = RuntimeConfig(**engine, context=len(ids) + max_tokens)
-    first = group.rank() == 0
-    model, tok, stage = load_stage(path, config, group, tokenizer=tok)
-    plans = gather_text(
-        group, f"rank {stage.rank}: {runtime_of(model).plan.describe()}"
-    )
-    if show_plan and first:
-        for line in plans:
-            click.echo(line, err=True)
-    mx.random.seed(shared_seed(group, seed))
-    with lost_peers(group):
+    with ended_by_launcher(group.rank()), lost_peers(group):
+        tok = _tokenizer(path, engine.get("verify", True))
+        ids = encode(tok)
+        config = RuntimeConfig(**engine, context=len(ids) + max_tokens)
+        first = group.rank() == 0
+        model, tok, stage = load_stage(path, config, group, tokenizer=tok)
+        plan = runtime_of(model).plan.describe()
+        plans = gather_text(group, f"rank {stage.rank}: {plan}")
+        if show_plan and first:
+            for line in plans:
+                click.echo(line, err=True)
+        mx.random.seed(shared_seed(group, seed))
         gen = generate(
             model, tok, ids, max_tokens, sampling, on_text if first else None
         )
