@@ -24,7 +24,7 @@ from moestream.formats import Recipe, load_manifest
 from moestream.pipeline import PipelineError, plan_stages, split_layers, stages
 from moestream.reference import resident_model
 from moestream.runtime import RuntimeConfig
-from moestream.runtime.loader import plan_for
+from moestream.runtime.loader import RESERVE_FRACTION, plan_for
 
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).parent / "pipeline_worker.py"
@@ -266,3 +266,33 @@ def test_pipeline_refuses_what_it_does_not_run(converted: Path) -> None:
         main, [str(converted), "--pipeline", "-p", "x", "--draft-model", "d"]
     )
     assert r.exit_code == 2 and "--pipeline does not take --draft-model" in r.output
+
+
+@pytest.mark.slow
+def test_per_rank_budget_below_one_process(tmp_path: Path) -> None:
+    """A model whose expert slots outweigh a rank's own overhead (the ring's
+    buffers): 2 ranks run at a budget one process is refused at, same slots,
+    tokens equal to the resident model's."""
+    from moestream.bench.models import Scale, write_synthetic
+    from moestream.reference import resident_from_converted
+
+    out = tmp_path / "m"
+    write_synthetic(out, Scale(4, 16, 2, 1024, 1024, heads=4, kv_heads=2, vocab=512))
+    slots = 12
+    cfg = RuntimeConfig(cache_experts=slots, dtype="float32")
+    whole = plan_for(out, cfg)
+    rank = max(p.total - p.process for _, p in plan_stages(out, 2, cfg))
+    # a launched rank holds ~112 MB before loading (Python, MLX, the ring's
+    # buffers), one process alone ~80 MB: the budget still refuses one process
+    budget = int((rank + (130 << 20)) / (1 - RESERVE_FRACTION))  # + its reserve
+    alone = whole.total - whole.process + (80 << 20) + RESERVE_FRACTION * budget
+    assert budget < alone, (budget, alone)
+    r = launch(
+        2, sys.executable, str(WORKER), str(out), str(slots), "python", str(budget)
+    )
+    assert r.stdout.strip(), r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    ref = resident_from_converted(out, "float32")
+    assert result["greedy"] == generated(ref, PROMPT, 0.0, 0, n=12)
+    assert result["sampled"] == generated(ref, PROMPT, 1.0, 5, n=12)
+    assert all(r["peak_memory"] <= budget for r in result["ranks"]), result["ranks"]
