@@ -53,7 +53,7 @@ def _free(port: int) -> bool:
     return True
 
 
-def launch(n: int, *command: str) -> subprocess.CompletedProcess:
+def launch(n: int, *command: str, stdin: str = "") -> subprocess.CompletedProcess:
     """`mlx.launch -n N --backend ring -- command`, killed whole on a timeout."""
     args = [str(BIN / "mlx.launch"), "-n", str(n), "--backend", "ring"]
     args += ["--starting-port", str(free_ports(n)), "--", *command]
@@ -62,13 +62,13 @@ def launch(n: int, *command: str) -> subprocess.CompletedProcess:
         args,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE,
         text=True,
         env=env,
         start_new_session=True,
     )
     try:
-        out, err = p.communicate(timeout=TIMEOUT)
+        out, err = p.communicate(stdin, timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
@@ -296,3 +296,21 @@ def test_per_rank_budget_below_one_process(tmp_path: Path) -> None:
     assert result["greedy"] == generated(ref, PROMPT, 0.0, 0, n=12)
     assert result["sampled"] == generated(ref, PROMPT, 1.0, 5, n=12)
     assert all(r["peak_memory"] <= budget for r in result["ranks"]), result["ranks"]
+
+
+@pytest.mark.slow
+def test_chat_pipeline_answers_as_one_process(qwen2) -> None:
+    """Greedy: the same replies, turn after turn, as chat in one process."""
+    out, _ = qwen2
+    args = [str(out), "--cache-experts", "2", "-m", "10", "--dtype", "float32"]
+    talk = "hello\nhow are you\nq\n"
+    r = launch(2, str(BIN / "moestream"), "chat", *args, "--pipeline", stdin=talk)
+    alone = subprocess.run(
+        [str(BIN / "moestream"), "chat", *args],
+        input=talk,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.stdout.count(">> ") == 3, r.stderr
+    assert r.stdout == alone.stdout
