@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import mlx.core as mx
@@ -51,6 +51,7 @@ from .runtime.loader import (
 )
 from .units import peak_rss
 
+T = TypeVar("T")
 # Bytes of one rank's error message in the all_gather that shares it.
 MESSAGE_BYTES = 1024
 
@@ -353,9 +354,8 @@ def load_stage(
     """Load this rank's stage of OUT (`load`'s arguments); any rank's failure
     is raised on every rank."""
     check_same_model(group, path)
-    model = tok = stage = None
-    error = ""
-    try:
+
+    def load_mine() -> tuple[nn.Module, TokenizerWrapper, Stage]:
         stage = stages(path, group.size(), config)[group.rank()]
         model, tok = load(
             path,
@@ -366,10 +366,20 @@ def load_stage(
             shard=shard(stage),
         )
         connect(model, stage)
+        return model, tok, stage
+
+    return together(group, load_mine)
+
+
+def together(group: mx.distributed.Group, fn: Callable[[], T]) -> T:
+    """`fn()` on every rank; if it fails on any, its error is raised on all."""
+    result, error = None, ""
+    try:
+        result = fn()
     except (ValueError, OSError) as e:
         error = " ".join(str(e).split())
     agree(group, error)
-    return model, tok, stage
+    return result
 
 
 def rank_report(group: mx.distributed.Group, model: nn.Module, stage: Stage) -> list:

@@ -314,3 +314,56 @@ def test_chat_pipeline_answers_as_one_process(qwen2) -> None:
     )
     assert r.stdout.count(">> ") == 3, r.stderr
     assert r.stdout == alone.stdout
+
+
+@pytest.mark.slow
+def test_serve_pipeline_answers_as_the_resident_model(qwen2) -> None:
+    """serve --pipeline on 2 ranks: rank 0 listens, greedy text as mlx-lm's."""
+    import threading
+    import urllib.request
+
+    from mlx_lm.generate import generate as mlx_generate
+
+    out, ref = qwen2
+    port = free_ports(1)
+    args = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring"]
+    args += ["--starting-port", str(free_ports(2)), "--", str(BIN / "moestream")]
+    args += ["serve", str(out), "--pipeline", "--port", str(port)]
+    args += ["--cache-experts", "2", "--dtype", "float32"]
+    p = subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ready, lines = threading.Event(), []
+
+    def read() -> None:
+        for line in p.stderr:
+            lines.append(line)
+            if "serving" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(TIMEOUT), "".join(lines)
+        body = {"prompt": "def add", "max_tokens": 12, "temperature": 0}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            text = json.loads(response.read())["choices"][0]["text"]
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    tok = load_tokenizer(out)
+    prompt = tok.encode("def add")
+    assert text == mlx_generate(ref, tok, prompt, max_tokens=12)

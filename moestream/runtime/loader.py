@@ -246,6 +246,7 @@ def budget_for(
     capacity: int,
     context: int = 4096,
     options: RuntimeConfig | None = None,
+    shard: Shard | None = None,
 ) -> int:
     """A --memory-budget that holds `capacity` slots per layer: the smallest,
     plus 1 % for the process growing between this call and `load`.
@@ -258,7 +259,7 @@ def budget_for(
         cache_experts=capacity,
         context=context,
     )
-    plan = plan_for(path, cfg)
+    plan = plan_for(path, cfg, shard)
     return _budget_holding(plan.total - plan.reserve, growth=0.01)
 
 
