@@ -158,7 +158,16 @@ bool HostTier::read_ahead(const std::shared_ptr<ExpertCache>& cache,
 
 const uint8_t* HostTier::wait(int64_t slot, int64_t key) {
   std::unique_lock<std::mutex> lock(mutex_);
-  ready_.wait(lock, [&] { return state_[slot] != Loading; });
+  // The waiting thread reads too: routed reads are at the front of the queue,
+  // so it takes its own call's misses before any read ahead.
+  while (state_[slot] == Loading) {
+    lock.unlock();
+    bool ran = run_routed_read();
+    lock.lock();
+    if (!ran) {
+      ready_.wait(lock, [&] { return state_[slot] != Loading; });
+    }
+  }
   if (state_[slot] == Failed) {
     std::string e = error_[slot];
     slot_of_[key] = -1;
@@ -178,7 +187,7 @@ namespace {
 struct Readers {
   std::mutex mutex;
   std::condition_variable work;
-  std::deque<std::function<void()>> queue;
+  std::deque<std::pair<bool, std::function<void()>>> queue; // (routed, read)
   int threads{0};
 
   void run() {
@@ -187,7 +196,7 @@ struct Readers {
       {
         std::unique_lock<std::mutex> lock(mutex);
         work.wait(lock, [&] { return !queue.empty(); });
-        task = std::move(queue.front());
+        task = std::move(queue.front().second);
         queue.pop_front();
       }
       task();
@@ -210,12 +219,27 @@ void submit_read(std::function<void()> task, bool front, int threads) {
       std::thread([&r] { r.run(); }).detach();
     }
     if (front) {
-      r.queue.push_front(std::move(task));
+      r.queue.emplace_front(true, std::move(task));
     } else {
-      r.queue.push_back(std::move(task));
+      r.queue.emplace_back(false, std::move(task));
     }
   }
   r.work.notify_one();
+}
+
+bool run_routed_read() {
+  auto& r = readers();
+  std::function<void()> task;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.queue.empty() || !r.queue.front().first) {
+      return false;
+    }
+    task = std::move(r.queue.front().second);
+    r.queue.pop_front();
+  }
+  task();
+  return true;
 }
 
 } // namespace moestream

@@ -77,6 +77,8 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
 
 // The reader threads every tier shares, `threads` at least from now on.
 void submit_read(std::function<void()> task, bool front, int threads);
+// Run the routed read at the front of the queue, if there is one, here.
+bool run_routed_read();
 
 // Host memory for the tier: pinned and mapped on a GPU (cuda_fetch.cu).
 uint8_t* host_alloc(size_t bytes, bool pinned);

@@ -200,9 +200,9 @@ def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
                 roofline_s=bound,
                 vs_roofline=(1 / tps) / bound,
             )
-            # The host tier is host memory outside the budget (host_budget).
+            # The host tier is host memory with its own bound (host_budget).
             host = max(r.get("host_tier") or 0 for r in row.decode + row.prefill)
-            entry["peak_over_budget"] = (entry["peak_rss"] - host) / entry["budget"]
+            entry["peak_over_budget"] = entry["peak_rss"] / (entry["budget"] + host)
         out.append(entry)
     return {"config": _jsonable(asdict(cfg)), "disk_gbps": disk, "rows": out}
 
