@@ -12,6 +12,7 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 using moestream::ExpertCache;
+using moestream::HostTier;
 
 NB_MODULE(_native, m) {
   m.doc() = "moestream's native expert engine (an MLX extension)";
@@ -21,6 +22,29 @@ NB_MODULE(_native, m) {
     return moestream::crc32(
         reinterpret_cast<const uint8_t*>(b.c_str()), b.size(), crc);
   }, "data"_a, "crc"_a = 0);
+
+  nb::class_<HostTier>(m, "HostTier")
+      .def(
+          nb::new_([](int64_t capacity, int64_t record_bytes, int readers,
+                      bool pinned) {
+            return std::make_shared<HostTier>(
+                capacity, record_bytes, readers, pinned);
+          }),
+          "capacity"_a, "record_bytes"_a, "readers"_a, "pinned"_a)
+      .def_ro("capacity", &HostTier::capacity)
+      .def_ro("record_bytes", &HostTier::record_bytes)
+      .def(
+          "take_counters",
+          [](HostTier& t) {
+            auto& k = t.counters;
+            nb::dict d;
+            d["host_hits"] = k.hits.exchange(0);
+            d["host_late"] = k.late.exchange(0);
+            d["host_misses"] = k.misses.exchange(0);
+            d["host_evictions"] = k.evictions.exchange(0);
+            return d;
+          },
+          "The counters since the last call (they restart at zero).");
 
   nb::class_<ExpertCache>(m, "ExpertCache")
       .def(
@@ -45,6 +69,7 @@ NB_MODULE(_native, m) {
           "verify"_a, "policy"_a, "decay"_a, "max_pairs"_a)
       .def("bind", &ExpertCache::bind, "slots"_a, "on_gpu"_a)
       .def("chain", &ExpertCache::chain, "next"_a)
+      .def("attach", &ExpertCache::attach, "tier"_a)
       .def("load", &ExpertCache::load, "experts"_a, "tokens"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def("table", &ExpertCache::table)

@@ -1,13 +1,16 @@
 // The CUDA side of ExpertFetch: three stream-ordered steps per MoE call, all
 // inside MLX's CUDA graph, so Python never waits on the router.
 //   1. a kernel copies the routed ids into pinned host memory (zero copy);
-//   2. a host function resolves slots and reads the misses into pinned staging;
-//   3. a kernel copies the staged records into their device slots (reading the
-//      pinned staging over the bus) and writes the slot ids.
+//   2. a host function resolves slots and has the misses read into the pinned
+//      host tier (host_tier.h), by its reader threads in parallel, unless the
+//      tier holds them already (read ahead, or used before);
+//   3. a kernel copies those records into their device slots (reading the
+//      pinned tier over the bus) and writes the slot ids.
 #include <cuda_fp16.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 
@@ -50,33 +53,11 @@ struct SlotPtrs {
   uint8_t* p[MAX_SEGMENTS];
 };
 
+// The copies of one call: records[0 .. n) of the host tier go to slots.
 struct Plan {
-  int n; // records staged by this call
-  int dst[1]; // their slots (max_stage entries follow)
+  int n;
+  int entries[1]; // max_stage slots, then max_stage host tier records
 };
-
-// One staging area for every layer: layers run one after another on the
-// stream (each layer's host step waits for the previous layer's copies).
-struct Staging {
-  std::mutex mutex;
-  uint8_t* data{nullptr};
-  size_t bytes{0};
-};
-
-Staging& staging() {
-  static Staging s;
-  return s;
-}
-
-uint8_t* staging_for(size_t bytes) {
-  auto& s = staging();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  if (s.bytes < bytes) { // the old buffer may be in flight: it is kept
-    s.data = pinned<uint8_t>(bytes);
-    s.bytes = bytes;
-  }
-  return s.data;
-}
 
 } // namespace
 
@@ -86,7 +67,6 @@ struct GpuState {
   uint32_t* pred; // pinned: predicted ids for the next layer
   uint32_t* out; // pinned: slot per routed pair
   Plan* plan; // pinned
-  uint8_t* stage; // pinned, shared
   SegDesc* segs; // device
   int nseg;
 };
@@ -121,7 +101,7 @@ __device__ float bf16_to_f32(uint16_t h) {
 }
 
 __global__ void apply_plan(
-    const Plan* plan, const uint8_t* stage, int64_t record_nbytes,
+    const Plan* plan, int max_stage, const uint8_t* tier, int64_t tier_stride,
     const SegDesc* segs, SlotPtrs dsts, int nseg, const uint32_t* host_out,
     uint32_t* out, int n) {
   int j = blockIdx.y;
@@ -133,8 +113,8 @@ __global__ void apply_plan(
   if (j >= plan->n) {
     return;
   }
-  const uint8_t* record = stage + j * record_nbytes;
-  int slot = plan->dst[j];
+  const uint8_t* record = tier + plan->entries[max_stage + j] * tier_stride;
+  int slot = plan->entries[j];
   int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t threads = int64_t(gridDim.x) * blockDim.x;
   for (int s = 0; s < nseg; s++) {
@@ -171,10 +151,14 @@ void CUDART_CB resolve_on_host(void* p) {
   g.plan->n = 0;
   c.counters.calls += 1;
   try {
-    c.resolve(g.ids, a->n, a->tokens, g.out, [&](int e, int s) {
+    c.tier()->begin_call();
+    std::vector<std::pair<int, int>> misses;
+    c.resolve(g.ids, a->n, a->tokens, g.out,
+              [&](int e, int s) { misses.push_back({e, s}); });
+    c.through_tier(misses, [&](const uint8_t*, int64_t host, int s) {
       int i = g.plan->n;
-      c.read_record(e, g.stage + i * c.record_nbytes);
-      g.plan->dst[i] = s;
+      g.plan->entries[i] = s;
+      g.plan->entries[g.max_stage + i] = int(host);
       g.plan->n = i + 1;
     });
     if (a->npred && c.next()) {
@@ -212,15 +196,18 @@ GpuState& gpu_state(ExpertCache& c) {
     return *c.gpu;
   }
   cu::device(mlx::core::Device(mlx::core::Device::gpu)).make_current();
+  if (!c.tier() || !c.tier()->pinned ||
+      c.tier()->record_bytes < c.record_nbytes) {
+    throw std::runtime_error("the native engine on a GPU needs a pinned host tier");
+  }
   auto g = std::make_shared<GpuState>();
   g->max_stage = std::min(c.capacity, c.max_pairs);
   g->max_pred = 4 * c.num_experts;
   g->ids = pinned<uint32_t>(c.max_pairs);
   g->pred = pinned<uint32_t>(g->max_pred);
   g->out = pinned<uint32_t>(c.max_pairs);
-  g->plan = reinterpret_cast<Plan*>(pinned<int>(g->max_stage + 1));
+  g->plan = reinterpret_cast<Plan*>(pinned<int>(2 * g->max_stage + 1));
   g->plan->n = 0;
-  g->stage = staging_for(size_t(g->max_stage) * c.record_nbytes);
   std::vector<SegDesc> segs;
   for (size_t i = 0; i < c.segments.size(); i++) {
     auto& a = c.slots[i];
@@ -283,14 +270,21 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
   for (int i = 0; i < g.nseg; i++) {
     dsts.p[i] = static_cast<uint8_t*>(mlx::core::gpu_ptr<void>(c.slots[i]));
   }
+  uint8_t* tier = c.tier()->data;
+  int64_t tier_stride = c.tier()->record_bytes; // a copy: parameters are not const
+  // Until the stream has run this call: the slots its copies write, and the
+  // cache (with its host tier) that its host function and copies use.
+  for (auto& a : c.slots) {
+    enc.add_temporary(a);
+  }
+  enc.add_completed_handler([keep = c.shared_from_this()] {});
   enc.add_kernel_node(
-      kernels().apply_plan, dim3(32, g.max_stage), dim3(256), g.plan, g.stage,
-      c.record_nbytes, g.segs, dsts, g.nseg, g.out,
+      kernels().apply_plan, dim3(32, g.max_stage), dim3(256), g.plan,
+      g.max_stage, tier, tier_stride, g.segs, dsts, g.nseg, g.out,
       mlx::core::gpu_ptr<uint32_t>(out), int(n));
 }
 
 void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {
-  gpu_state(c);
   cu::device(mlx::core::Device(mlx::core::Device::gpu)).make_current();
   std::vector<float> widened;
   for (size_t i = 0; i < c.segments.size(); i++) {
@@ -308,6 +302,25 @@ void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {
       nbytes = widened.size() * 4;
     }
     check(cudaMemcpy(dst, src, nbytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+}
+
+uint8_t* host_alloc(size_t bytes, bool pinned_memory) {
+  if (pinned_memory) {
+    return pinned<uint8_t>(bytes);
+  }
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+  if (!p) {
+    throw std::bad_alloc();
+  }
+  return p;
+}
+
+void host_free(uint8_t* p, bool pinned_memory) {
+  if (pinned_memory) {
+    cudaFreeHost(p);
+  } else {
+    std::free(p);
   }
 }
 

@@ -235,6 +235,14 @@ void ExpertCache::hint(const uint32_t* experts, int64_t n) {
     if (e >= uint32_t(num_experts) || slot_of_[e] >= 0 || prefetched_[e]) {
       continue;
     }
+    if (tier_) {
+      if (tier_->read_ahead(shared_from_this(), tier_base_ + e, int(e))) {
+        prefetched_[e] = 1;
+        counters.prefetched += 1;
+        counters.prefetch_bytes += record_nbytes;
+      }
+      continue;
+    }
     prefetched_[e] = 1;
     counters.prefetched += 1;
     counters.prefetch_bytes += record_nbytes;
@@ -260,6 +268,50 @@ int ExpertCache::victim(const std::vector<char>& keep) {
   slot_of_[expert_in_[best]] = -1;
   counters.evictions += 1;
   return best;
+}
+
+void ExpertCache::drop(int expert) {
+  int s = slot_of_[expert];
+  if (s >= 0) {
+    slot_of_[expert] = -1;
+    expert_in_[s] = -1;
+    free_.push_back(s);
+  }
+}
+
+void ExpertCache::through_tier(
+    const std::vector<std::pair<int, int>>& misses,
+    const std::function<void(const uint8_t*, int64_t, int)>& use) {
+  std::vector<int64_t> host(misses.size());
+  std::string failure;
+  for (size_t i = 0; i < misses.size(); i++) {
+    try { // queued first, so the readers work on all of them at once
+      host[i] = tier_->request(shared_from_this(), tier_base_ + misses[i].first,
+                               misses[i].first);
+    } catch (const std::exception& e) {
+      host[i] = -1;
+      failure = failure.empty() ? e.what() : failure;
+    }
+  }
+  for (size_t i = 0; i < misses.size(); i++) {
+    if (host[i] < 0) {
+      continue;
+    }
+    try {
+      auto* record = tier_->wait(host[i], tier_base_ + misses[i].first);
+      if (failure.empty()) {
+        use(record, host[i], misses[i].second);
+      }
+    } catch (const std::exception& e) {
+      failure = failure.empty() ? e.what() : failure;
+    }
+  }
+  if (!failure.empty()) {
+    for (auto& [e, s] : misses) {
+      drop(e);
+    }
+    throw std::runtime_error(failure);
+  }
 }
 
 void ExpertCache::used(const std::vector<int>& experts, int tokens) {
@@ -379,9 +431,19 @@ void ExpertFetch::eval_cpu(
     auto* slots = out.data<uint32_t>();
     auto& c = *cache;
     c.counters.calls += 1;
-    c.resolve(ids, n, tokens, slots, [&](int e, int s) {
-      c.staged(e, [&](const uint8_t* record) { c.fill_host(record, s); });
-    });
+    if (c.tier()) {
+      c.tier()->begin_call();
+      std::vector<std::pair<int, int>> misses;
+      c.resolve(ids, n, tokens, slots,
+                [&](int e, int s) { misses.push_back({e, s}); });
+      c.through_tier(misses, [&](const uint8_t* record, int64_t, int s) {
+        c.fill_host(record, s);
+      });
+    } else {
+      c.resolve(ids, n, tokens, slots, [&](int e, int s) {
+        c.staged(e, [&](const uint8_t* record) { c.fill_host(record, s); });
+      });
+    }
     if (predicted && c.next()) {
       c.next()->hint(predicted->data<uint32_t>(), predicted->size());
     }

@@ -14,6 +14,8 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
+#include "host_tier.h"
+
 namespace mx = mlx::core;
 
 namespace moestream {
@@ -66,11 +68,24 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void chain(std::shared_ptr<ExpertCache> next) {
     next_ = std::move(next);
   }
+  // Read misses through `tier` (its readers, in parallel) from now on.
+  void attach(std::shared_ptr<HostTier> tier) {
+    tier_base_ = tier->add_layer(num_experts);
+    tier_ = std::move(tier);
+  }
+  HostTier* tier() const {
+    return tier_.get();
+  }
 
   // Slot of every routed pair in `experts` (unique count <= capacity),
   // reading the misses; `write` copies a record into a slot.
   void resolve(const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
                const std::function<void(int, int)>& write);
+  // The records of the misses `resolve` placed (expert, slot), read through
+  // the host tier, handed to `use(record, host_slot, slot)`. If a read fails,
+  // every one of these misses leaves its slot and the error is rethrown.
+  void through_tier(const std::vector<std::pair<int, int>>& misses,
+                    const std::function<void(const uint8_t*, int64_t, int)>& use);
   // Read `expert` into one host staging record shared by every layer (reads
   // run one at a time: the stream's, or the host's after a synchronize),
   // then hand it to `use`.
@@ -81,7 +96,8 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void fill_host(const uint8_t* record, int slot);
   // A 16-bit float segment widened to float32 (`seg.nbytes / 2` values).
   static void widen_host(const uint8_t* src, const Segment& seg, float* out);
-  // Kernel readahead for the predicted experts that are not resident.
+  // Read ahead the predicted experts that are not resident: into the host
+  // tier, else as kernel readahead.
   void hint(const uint32_t* experts, int64_t n);
 
   // Make `experts` resident now (host-blocking; the caller has synchronized).
@@ -104,6 +120,7 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
 
  private:
   int victim(const std::vector<char>& keep);
+  void drop(int expert);
   void used(const std::vector<int>& experts, int tokens);
 
   int fd_;
@@ -119,6 +136,8 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   std::vector<int> free_;
   std::vector<char> prefetched_; // hinted since its last call
   std::shared_ptr<ExpertCache> next_;
+  std::shared_ptr<HostTier> tier_;
+  int64_t tier_base_{0};
 
  public:
   std::shared_ptr<ExpertCache> next() const {

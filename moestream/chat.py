@@ -110,6 +110,12 @@ class Conversation:
 @click.option(
     "--chat-template", default="", help="Chat template (Jinja text or a file)."
 )
+@click.option(
+    "--pipeline",
+    is_flag=True,
+    help="Run as one rank of a pipeline started by mlx.launch (every rank reads "
+    "the same input; rank 0 answers). The seed then applies after loading.",
+)
 @engine_options(exclude=ENGINE_EXCLUDED)
 @common_options
 def chat_cmd(
@@ -120,6 +126,7 @@ def chat_cmd(
     top_p: float,
     seed: int,
     chat_template: str,
+    pipeline: bool,
     engine: dict,
 ) -> None:
     """Chat with a converted model OUT in the terminal (q quits, r resets)."""
@@ -127,44 +134,65 @@ def chat_cmd(
     def start() -> Conversation:
         mx.random.seed(seed)
         template = chat_template_text(chat_template)
-        model, tokenizer = load(
-            model_dir,
-            RuntimeConfig(**engine),
-            tokenizer_config={"chat_template": template} if template else None,
-        )
+        config = RuntimeConfig(**engine)
+        options = {"chat_template": template} if template else None
+        if not pipeline:
+            model, tokenizer = load(model_dir, config, tokenizer_config=options)
+            return Conversation(model, tokenizer, system_prompt)
+        from .pipeline import init, load_stage
+
+        model, tokenizer, _ = load_stage(model_dir, config, init(), None, options)
+        mx.random.seed(seed)  # ranks build different layers, drawing differently
         return Conversation(model, tokenizer, system_prompt)
 
     chat = user_errors(start)
-    click.echo(runtime_of(chat.model).plan.describe(), err=True)
-    click.echo(HELP, err=True)
+    if pipeline:
+        from .pipeline import ended_by_launcher, init, lost_peers
+
+        def converse() -> None:
+            group = init()
+            with ended_by_launcher(group.rank()), lost_peers(group):
+                _converse(chat, max_tokens, temp, top_p, group.rank())
+
+        user_errors(converse)
+    else:
+        _converse(chat, max_tokens, temp, top_p)
+
+
+def _converse(
+    chat: Conversation, max_tokens: int, temp: float, top_p: float, rank: int = 0
+) -> None:
+    """The terminal loop; on a pipeline's other ranks, silent."""
+    echo = click.echo if rank == 0 else lambda *_, **__: None
+    echo(runtime_of(chat.model).plan.describe(), err=True)
+    echo(HELP, err=True)
     sampler = make_sampler(temp, top_p)
+    show = (lambda t: print(t, end="", flush=True)) if rank == 0 else None
     while True:
         try:
-            query = input(">> ")
+            query = input(">> " if rank == 0 else "")
         except EOFError:
             break
         if query == "q":
             break
         if query == "r":
             chat.reset()
-            click.echo("conversation reset", err=True)
+            echo("conversation reset", err=True)
             continue
         if query == "h":
-            click.echo(HELP, err=True)
+            echo(HELP, err=True)
             continue
         before = stats(chat.model).hits, stats(chat.model).misses
         try:
-            turn = chat.say(
-                query, max_tokens, sampler, lambda t: print(t, end="", flush=True)
-            )
+            turn = chat.say(query, max_tokens, sampler, show)
         except ValueError as e:  # a full conversation: say so, keep chatting
-            click.echo(f"error: {' '.join(str(e).split())}", err=True)
+            echo(f"error: {' '.join(str(e).split())}", err=True)
             continue
-        print(flush=True)
+        echo()
         s = stats(chat.model)
         hits, misses = s.hits - before[0], s.misses - before[1]
         rate = hits / (hits + misses) if hits + misses else 0.0
-        click.echo(
+        echo(
             f"[{turn.tokens} tokens, {turn.generation_tps:.1f} tok/s, hit rate "
             f"{rate:.2f}, {chat.used}/{chat.context} tokens of context]",
             err=True,

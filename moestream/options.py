@@ -22,7 +22,7 @@ import click
 
 from . import __version__
 
-METAVARS = {"memory_budget": "SIZE"}
+METAVARS = {"memory_budget": "SIZE", "host_budget": "SIZE"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -83,6 +83,7 @@ def _option(f: Any) -> Callable:
         "float": float,
         "float|None": float,
         "str": str,
+        "str|None": str,
         "int|str|None": str,
     }
     if kind not in types:

@@ -104,7 +104,7 @@ def plan_dict(plan: MemoryPlan, cfg: RuntimeConfig) -> dict[str, Any]:
     d.update(
         pools=plan.pools,
         total=plan.total,
-        residency=plan.capacity / plan.num_experts,
+        residency=plan.capacity / max(plan.num_experts, 1),
         context=cfg.context,
     )
     return d
@@ -356,3 +356,29 @@ def format_plan(result: dict[str, Any]) -> str:
             f"{f['cold_tps']:>10.2f}"
         )
     return "\n".join(lines)
+
+
+def plan_ranks(path: str | Path, cfg: RuntimeConfig, ranks: int) -> dict[str, Any]:
+    """`moestream plan --ranks N`: each pipeline rank's layers and memory plan."""
+    from .pipeline import plan_stages
+
+    return {
+        "ranks": [
+            {
+                "rank": stage.rank,
+                "layers": [stage.layers.start, stage.layers.stop - 1],
+                "plan": plan_dict(plan, cfg),
+            }
+            for stage, plan in plan_stages(path, ranks, cfg)
+        ]
+    }
+
+
+def format_ranks(result: dict[str, Any]) -> str:
+    """One block per rank, in layer order (the last rank runs the first layers)."""
+    blocks = []
+    for r in sorted(result["ranks"], key=lambda r: r["layers"][0]):
+        first, last = r["layers"]
+        plan = format_plan({"plan": r["plan"]}).split("\n", 1)[1]
+        blocks.append(f"rank {r['rank']}: layers {first}-{last}\n{plan}")
+    return "\n".join(blocks)

@@ -40,7 +40,7 @@ from .errors import user_errors
 from .families import get_family
 from .options import CONTEXT, engine_options, logging_options
 from .runtime import BudgetError, RuntimeConfig, load, runtime_of, stats
-from .runtime.loader import PREFILL_STEP, MemoryPlan, budget_for, plan_for
+from .runtime.loader import PREFILL_STEP, MemoryPlan, Shard, budget_for, plan_for
 from .units import human_bytes, parse_size, peak_rss
 
 log = logging.getLogger(__name__)
@@ -152,14 +152,17 @@ class ServePlan:
 
 
 def plan_server(
-    directory: str | Path, config: RuntimeConfig, options: ServerOptions
+    directory: str | Path,
+    config: RuntimeConfig,
+    options: ServerOptions,
+    shard: Shard | None = None,
 ) -> ServePlan:
     """Fit decode concurrency and the prompt cache into `config`'s budget.
 
     A concurrency that was asked for is refused when it does not fit; the
     default one is lowered until it does. Reads no weight.
     """
-    base = plan_for(directory, replace(config, concurrency=1))  # BudgetError: none
+    base = plan_for(directory, replace(config, concurrency=1), shard)  # BudgetError
     kv1 = base.kv_cache
     budget = base.budget  # the default budget when none was given
     entries = options.prompt_cache_size
@@ -174,7 +177,7 @@ def plan_server(
         runtime = replace(config, concurrency=c)
         slots = config.cache_experts or min(base.num_experts, c * top_k)
         try:
-            need = budget_for(directory, slots, config.context, runtime)
+            need = budget_for(directory, slots, config.context, runtime, shard)
         except BudgetError as e:  # too few --cache-experts for c sequences
             error = e
             continue
@@ -203,12 +206,17 @@ class StreamingModelProvider(ModelProvider):
     """mlx_lm.server's ModelProvider, loading the one converted model it serves."""
 
     def __init__(
-        self, cli_args: argparse.Namespace, model_id: str, config: RuntimeConfig
+        self,
+        cli_args: argparse.Namespace,
+        model_id: str,
+        config: RuntimeConfig,
+        pipeline: bool = False,
     ) -> None:
         super().__init__(cli_args)
         self.model_id = model_id
         self.runtime_config = config
         self._model_map[model_id] = cli_args.model
+        self.pipeline = pipeline
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
 
@@ -220,9 +228,16 @@ class StreamingModelProvider(ModelProvider):
         self.reset()
         gc.collect()
         mx.clear_cache()
-        model, tokenizer = load(
-            model_path, self.runtime_config, tokenizer_config=self._tokenizer_config
-        )
+        if self.pipeline:  # this rank's layers; mlx-lm shares the requests
+            from .pipeline import init, load_stage
+
+            model, tokenizer, _ = load_stage(
+                model_path, self.runtime_config, init(), None, self._tokenizer_config
+            )
+        else:
+            model, tokenizer = load(
+                model_path, self.runtime_config, tokenizer_config=self._tokenizer_config
+            )
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (model_path, None, None)
@@ -494,10 +509,23 @@ class Server:
         host: str = "127.0.0.1",
         port: int = 8080,
         log_level: str | None = None,
+        pipeline: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.options = options or ServerOptions()
-        self.plan = plan_server(directory, config or RuntimeConfig(), self.options)
+        self.rank = 0
+        if pipeline:  # one rank of mlx.launch: plan this rank's layers
+            from .pipeline import init, shard, stages, together
+
+            group, cfg = init(), config or RuntimeConfig()
+            self.rank = group.rank()
+            mine = together(group, lambda: stages(directory, group.size(), cfg))
+            cut = shard(mine[self.rank])
+            self.plan = together(
+                group, lambda: plan_server(directory, cfg, self.options, cut)
+            )
+        else:
+            self.plan = plan_server(directory, config or RuntimeConfig(), self.options)
         self.model_id = self.directory.resolve().name
         self.aliases = {
             self.model_id,
@@ -511,7 +539,7 @@ class Server:
             self.plan.prompt_cache_entries, self.plan.prompt_cache_bytes
         )
         self.provider = StreamingModelProvider(
-            self._cli_args(log_level), self.model_id, self.plan.runtime
+            self._cli_args(log_level), self.model_id, self.plan.runtime, pipeline
         )
         self.generator = StreamingResponseGenerator(
             self.provider,
@@ -525,7 +553,8 @@ class Server:
         try:
             if self.provider.load_error is not None:
                 raise self.provider.load_error
-            self.httpd = _bind(host, port, self)
+            # the other ranks follow rank 0's requests (mlx_lm.server's way)
+            self.httpd = _bind(host, port, self) if self.rank == 0 else None
         except BaseException:
             self.generator.stop_and_join()
             raise
@@ -573,6 +602,9 @@ class Server:
         return self.plan.describe(runtime_of(self.model).plan)
 
     def serve_forever(self) -> None:
+        if self.httpd is None:
+            self.generator.join()  # until rank 0 stops
+            return
         self.httpd.serve_forever(poll_interval=0.2)
 
     def start(self) -> Server:
@@ -583,10 +615,11 @@ class Server:
 
     def close(self) -> None:
         """Stop answering, finish the generation thread, free the model."""
-        if self._thread is not None:
+        if self._thread is not None and self.httpd is not None:
             self.httpd.shutdown()
             self._thread.join(timeout=10)
-        self.httpd.server_close()
+        if self.httpd is not None:
+            self.httpd.server_close()
         self.generator.stop_and_join()
 
     def __enter__(self) -> Server:
@@ -829,12 +862,19 @@ def _size(ctx, param, value: str | None) -> int | None:
     help="Record every MoE layer call and write it as run-moe --trace does "
     "when the server stops (it grows with every token served).",
 )
+@click.option(
+    "--pipeline",
+    is_flag=True,
+    help="Run as one rank of a pipeline started by mlx.launch: rank 0 serves "
+    "HTTP, every rank runs its share of the layers.",
+)
 @logging_options("info", fmt=LOG_FORMAT)
 def serve_cmd(
     model_dir: str,
     host: str,
     port: int,
     trace_file: str | None,
+    pipeline: bool,
     engine: dict,
     **flags: Any,
 ) -> None:
@@ -849,15 +889,18 @@ def serve_cmd(
     def start() -> Server:
         options = ServerOptions(**flags)
         config = RuntimeConfig(**engine, record_trace=bool(trace_file))
+        if pipeline and trace_file:
+            raise ValueError("--pipeline does not take --trace yet.")
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        return Server(model_dir, config, options, host, port, level)
+        return Server(model_dir, config, options, host, port, level, pipeline)
 
     server = user_errors(start)
-    click.echo(server.describe(), err=True)
-    click.echo(
-        f"serving {server.model_id!r} at {server.url}/v1 (Ctrl-C stops)", err=True
-    )
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if server.rank == 0:
+        click.echo(server.describe(), err=True)
+        click.echo(
+            f"serving {server.model_id!r} at {server.url}/v1 (Ctrl-C stops)", err=True
+        )
+    if server.rank == 0 and host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(
             "note: mlx_lm.server only implements basic security checks; "
             "keep it behind a trusted network.",

@@ -40,6 +40,14 @@ def info_cmd(model_dir: str, as_json: bool) -> None:
     help="Forecast at this hit rate (repeatable; default: the uniform-routing "
     "one and 0.5-0.95), e.g. one a previous run's --stats reported.",
 )
+@click.option(
+    "--ranks",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Plan a pipeline of this many processes (run-moe --pipeline): each "
+    "rank's layers and memory plan, without a forecast.",
+)
 @JSON
 @engine_options(exclude=("record_trace",))
 @common_options
@@ -47,12 +55,13 @@ def plan_cmd(
     model_dir: str,
     no_forecast: bool,
     hit_rates: tuple[float, ...],
+    ranks: int,
     as_json: bool,
     engine: dict,
 ) -> None:
     """The memory plan run-moe would use for OUT, without loading weights, and
     a decode speed forecast from short probes of this disk and machine."""
-    from .plan import format_plan, plan_and_forecast
+    from .plan import format_plan, format_ranks, plan_and_forecast, plan_ranks
 
     def run() -> dict:
         from mlx_lm.utils import load_config, load_tokenizer
@@ -68,10 +77,13 @@ def plan_cmd(
             eos_token_ids=config.get("eos_token_id"),
         )
         cfg = RuntimeConfig(**engine)
+        if ranks > 1:
+            return plan_ranks(model_dir, cfg, ranks)
         return plan_and_forecast(model_dir, cfg, not no_forecast, hit_rates)
 
     result = user_errors(run)
-    click.echo(json.dumps(result, indent=1) if as_json else format_plan(result))
+    text = format_ranks(result) if ranks > 1 else format_plan(result)
+    click.echo(json.dumps(result, indent=1) if as_json else text)
 
 
 @click.command(context_settings=CONTEXT)

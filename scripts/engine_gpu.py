@@ -1,14 +1,18 @@
-"""Resident vs the native and python engines, decode on one device, one process.
+"""The native engine against mlx-lm's resident model on a GPU, one process.
 
-    python scripts/engine_gpu.py OUT [EXPERTS] [TOKENS]
+    python scripts/engine_gpu.py OUT [TOKENS] [REPEATS]
 
-Times mlx-lm's resident model of OUT's bytes, then each engine at 25 % and
-10 % of EXPERTS slots per layer (greedy, after 8 warm-up tokens, page cache
-warm), then the resident model again: the README's GPU table.
+Each row loads OUT with its options, decodes 8 warm-up tokens (every kernel
+shape compiled, page cache warm), then alternates REPEATS decode runs of
+TOKENS greedy tokens with runs of the resident model held beside it: the
+ratio is the median of the per-repeat ratios. A cold row loads afresh (empty
+slots and host tier), drops OUT's page cache and times its first TOKENS.
 """
 
 from __future__ import annotations
 
+import gc
+import statistics
 import sys
 import time
 
@@ -16,45 +20,107 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 import moestream
+from moestream.formats import load_manifest
 from moestream.reference import resident_from_converted
+from moestream.units import peak_rss
+
+PROMPT = mx.array([(13 * i + 7) % 4000 for i in range(40)])
 
 
-def decode_tps(model, prompt: mx.array, n: int) -> tuple[float, list[int]]:
+def decode(model, n: int) -> tuple[float, list[int]]:
     start, tokens = 0.0, []
-    for i, (t, _) in enumerate(generate_step(prompt, model, max_tokens=n)):
+    for i, (t, _) in enumerate(generate_step(PROMPT, model, max_tokens=n + 1)):
         if i == 0:
-            start = time.perf_counter()
-        tokens.append(int(t))
-    return (n - 1) / (time.perf_counter() - start), tokens
+            start = time.perf_counter()  # after the prompt and first token
+        else:
+            tokens.append(int(t))
+    return n / (time.perf_counter() - start), tokens
 
 
-def resident_tps(out: str, prompt: mx.array, n: int) -> tuple[float, list[int]]:
-    model = resident_from_converted(out)
-    decode_tps(model, prompt, 8)
-    return decode_tps(model, prompt, n)
+def rows(out: str) -> list[tuple[str, dict]]:
+    layers = load_manifest(out).layers
+    experts = layers[0].num_experts
+    record = max(layer.record_nbytes for layer in layers)
+    every = sum(layer.num_experts for layer in layers)
+    q, d = experts // 4, max(8, experts // 10)
+    native = {"engine": "native"}
+    return [
+        ("native 25 %", {**native, "cache_experts": q}),
+        ("native 10 %", {**native, "cache_experts": d}),
+        ("native 25 %, no prefetch", {**native, "cache_experts": q, "prefetch": False}),
+        (
+            "native 25 %, host tier 50 %",
+            {**native, "cache_experts": q, "host_budget": every // 2 * record},
+        ),
+        (
+            "native 10 %, host tier 25 %",
+            {**native, "cache_experts": d, "host_budget": every // 4 * record},
+        ),
+        (
+            "native 25 %, host tier = one call",
+            {**native, "cache_experts": q, "host_budget": q * record},
+        ),
+        ("python 25 %", {"cache_experts": q}),
+    ]
 
 
 def main() -> None:
     out = sys.argv[1]
-    experts = int(sys.argv[2]) if len(sys.argv) > 2 else 128
-    n = int(sys.argv[3]) if len(sys.argv) > 3 else 24
-    prompt = mx.array([(13 * i + 7) % 4000 for i in range(40)])
-    base, ref = resident_tps(out, prompt, n)
-    print(f"resident {base:.1f} tok/s")
-    rows = [(experts // 4, "native"), (max(8, experts // 10), "native")]
-    for cap, engine in [*rows, (experts // 4, "python")]:
-        model, _ = moestream.load(out, cache_experts=cap, engine=engine)
-        decode_tps(model, prompt, 8)
-        moestream.stats(model).reset()
-        tps, tokens = decode_tps(model, prompt, n)
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 32
+    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    resident = resident_from_converted(out)
+    decode(resident, 8)
+    base_tps, ref = decode(resident, n)
+    print(
+        f"resident {base_tps:.1f} tok/s, "
+        f"device peak {mx.get_peak_memory() / 1e6:.0f} MB"
+    )
+    print(
+        "| row | mode | decode tok/s | x resident (spread) | hit | host tier hit | "
+        "MB read/tok | slot fills/tok | pf precision | device peak MB | RSS MB | same |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, options in rows(out):
+        mx.reset_peak_memory()
+        model, _ = moestream.load(out, **options)
+        decode(model, 8)
         s = moestream.stats(model)
-        print(
-            f"{engine} {cap} slots: {tps:.1f} tok/s ({tps / base:.3f}x), same "
-            f"tokens {tokens == ref}, hit {s.hit_rate:.3f}, "
-            f"{s.bytes_read / n / 1e6:.1f} MB/token"
-        )
-        del model
-    print(f"resident again {resident_tps(out, prompt, n)[0]:.1f} tok/s")
+        s.reset()
+        ratios, speeds, same = [], [], True
+        for _ in range(repeats):
+            base, _ = decode(resident, n)
+            tps, tokens = decode(model, n)
+            ratios.append(tps / base)
+            speeds.append(tps)
+            same &= tokens == ref
+        s.collect()
+        runs = repeats * n
+        line(name, "warm", statistics.median(speeds), ratios, s, runs, same)
+        del model, s
+        gc.collect()
+        if name in ("native 25 %", "native 10 %", "native 25 %, no prefetch"):
+            model, _ = moestream.load(out, **options)
+            model.moestream.store.drop_cache()
+            moestream.stats(model).reset()
+            base, _ = decode(resident, n)
+            tps, tokens = decode(model, n)
+            s = moestream.stats(model).collect()
+            line(name, "cold", tps, [tps / base], s, n, tokens == ref)
+            del model, s
+            gc.collect()
+
+
+def line(name, mode, tps, ratios, s, runs, same) -> None:
+    spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
+    host = s.host_hits + s.host_late + s.host_misses
+    host_hit = f"{s.host_hit_rate:.3f}" if host else ""
+    print(
+        f"| {name} | {mode} | {tps:.1f} | {statistics.median(ratios):.3f} ({spread}) "
+        f"| {s.hit_rate:.3f} | {host_hit} | {s.bytes_read / runs / 1e6:.1f} "
+        f"| {s.misses / runs:.1f} | {s.prefetch_precision:.2f} "
+        f"| {mx.get_peak_memory() / 1e6:.0f} | {peak_rss() / 1e6:.0f} | {same} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

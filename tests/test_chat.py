@@ -109,6 +109,7 @@ def test_chat_flags_reach_the_config_the_model_was_loaded_with(
     (config,) = loaded
     assert (config.cache_experts, config.context, config.policy) == (5, 64, "lru")
     assert (config.lrfu_decay, config.verify, config.prefetch_extra) == (0.5, False, 1)
-    bad = CliRunner().invoke(moestream.chat.chat_cmd, [str(converted), "--prefetch"])
+    args = [str(converted), "--engine", "python", "--prefetch"]
+    bad = CliRunner().invoke(moestream.chat.chat_cmd, args)
     assert bad.exit_code == 2
     assert re.fullmatch(r"error: The python engine does not prefetch.*\n", bad.output)

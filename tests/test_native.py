@@ -11,7 +11,8 @@ import pytest
 from helpers import PROMPT, generated, logits_stepwise
 
 import moestream
-from moestream.runtime import native
+from moestream.formats import load_manifest
+from moestream.runtime import BudgetError, native
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="moestream's native engine is not built"
@@ -100,3 +101,57 @@ def test_native_refuses_a_conversion_it_cannot_do(converted):
 def test_unknown_engine_is_one_line():
     with pytest.raises(ValueError, match="Unknown engine 'fast'"):
         moestream.runtime.RuntimeConfig(engine="fast")
+
+
+@pytest.mark.parametrize("records", [3, 6, None])
+def test_native_host_tier_bit_identical(converted, reference, records):
+    """Misses read through the host tier by its reader threads, with reads
+    ahead for the next layer: a tier smaller than one layer's experts (its own
+    evictions), and one holding every record (misses then come from it)."""
+    layers = load_manifest(converted).layers
+    record = max(layer.record_nbytes for layer in layers)
+    every = sum(layer.num_experts for layer in layers)
+    model, _ = moestream.load(
+        converted,
+        cache_experts=3,
+        engine="native",
+        host_budget=(records or every) * record,
+        readers=3,
+    )
+    plan = model.moestream.plan
+    assert plan.host_records == (records or every) and plan.host_tier > 0
+    assert "host tier" in plan.describe()
+    ours = logits_stepwise(model, PROMPT, steps=12)
+    theirs = logits_stepwise(reference, PROMPT, steps=12)
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert mx.array_equal(a, b).item(), f"step {step} differs"
+    s = moestream.stats(model)
+    assert s.native_calls > 0 and s.prefetched > 0
+    served = s.host_hits + s.host_late + s.host_misses
+    assert served > 0 and s.host_misses > 0
+    if records is None:  # nothing leaves: a slot miss read before is held
+        assert s.host_evictions == 0 and s.host_hits + s.host_late > 0
+    elif records == 3:
+        assert s.host_evictions > 0
+
+
+def test_host_budget_too_small_is_one_line(converted):
+    with pytest.raises(BudgetError, match="--host-budget"):
+        moestream.load(converted, cache_experts=3, engine="native", host_budget=100)
+    with pytest.raises(ValueError, match="host tier belongs to the native engine"):
+        moestream.load(converted, cache_experts=3, host_budget="1G")
+
+
+def test_run_moe_stats_show_the_host_tier(converted):
+    from click.testing import CliRunner
+
+    from moestream.runtime.cli import main as run_main
+
+    args = [str(converted), "-p", "def", "-m", "6", "--ignore-chat-template"]
+    tier = ["--engine", "native", "--cache-experts", "3", "--host-budget", "64M"]
+    r = CliRunner().invoke(run_main, [*args, *tier, "--stats", "-v"])
+    assert r.exit_code == 0, r.output
+    assert "host tier hit" in r.stderr and "slot fills" in r.stderr
+    assert "host tier" in r.stderr.split("memory plan:")[1].split("\n")[0]
+    r = CliRunner().invoke(run_main, [*args, "--cache-experts", "3", "--stats"])
+    assert r.exit_code == 0 and "host tier" not in r.stderr

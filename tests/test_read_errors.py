@@ -24,7 +24,9 @@ from moestream.formats import load_manifest
 from moestream.runtime import ExpertReadError, native
 from moestream.runtime.cli import main as run_main
 
-ENGINES = ["python"] + (["native"] if native.available() else [])
+# "tier": the native engine reading through its host tier's reader threads.
+ENGINES = ["python"] + (["native", "tier"] if native.available() else [])
+TIER = {"engine": "native", "host_budget": "64M", "readers": 2}
 
 PROMPTS = [
     mx.array([[(13 * i + 7) % 300 for i in range(40)]]),
@@ -45,7 +47,8 @@ def engine(request) -> str:
 
 
 def load(path: Path, engine: str, cache_experts: int):
-    return moestream.load(path, cache_experts=cache_experts, engine=engine)
+    options = TIER if engine == "tier" else {"engine": engine}
+    return moestream.load(path, cache_experts=cache_experts, **options)
 
 
 def read_error(engine: str) -> type[Exception]:
@@ -154,7 +157,8 @@ def test_run_moe_corrupt_expert_is_one_line(copy, engine) -> None:
             "def",
             "-m",
             "3",
-            *(["--engine", engine] * (engine != "python")),
+            *(["--engine", engine] * (engine == "native")),
+            *(["--engine", "native", "--host-budget", "64M"] * (engine == "tier")),
         ],
         catch_exceptions=False,
     )

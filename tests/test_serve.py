@@ -397,6 +397,7 @@ ENGINE_FLAGS = {
     "--lrfu-decay": ("0.5", "lrfu_decay", 0.5),
     "--engine": ("python", "engine", "python"),
     "--no-prefetch": (None, "prefetch", False),
+    "--readers": ("3", "readers", 3),
 }
 
 
@@ -413,7 +414,9 @@ def test_serve_and_chat_take_every_engine_flag() -> None:
         "record_trace",  # --trace FILE
         "concurrency",  # --decode-concurrency
     }
-    assert {f for _, f, _ in ENGINE_FLAGS.values()} == expected - {"memory_budget"}
+    # the budgets are checked below, host_budget (the native engine's) by its error
+    given = {f for _, f, _ in ENGINE_FLAGS.values()}
+    assert given == expected - {"memory_budget", "host_budget"}
     run_help = {p.name: p.help for p in run_main.params}
     for command in (serve_cmd, chat_cmd):
         params = {p.name: p for p in command.params}
@@ -466,7 +469,8 @@ def test_serve_flags_reach_the_config_the_model_was_loaded_with(
     [
         (["--lrfu-decay", "2"], r"lrfu_decay must be in \[0.0, 1.0\], got 2.0"),
         (["--context", "0"], r"context must be in \[1, inf\], got 0"),
-        (["--prefetch"], "python engine does not prefetch"),
+        (["--engine", "python", "--prefetch"], "python engine does not prefetch"),
+        (["--engine", "python", "--host-budget", "1G"], "host tier belongs to the"),
         (["--memory-budget", "3Q"], "Cannot read size '3Q'"),
         (["--cache-experts", "0"], "at least 1"),
         (["--decode-concurrency", "0"], "--decode-concurrency must be at least 1"),

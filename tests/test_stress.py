@@ -42,6 +42,8 @@ RUNTIME_CHOICES: dict[str, list] = {
     "record_trace": [False, True],
     "lrfu_decay": [0.5, RuntimeConfig.lrfu_decay],
     "engine": ["python", "native"] if native.available() else ["python"],
+    "host_budget": [None, "64M"],  # the native engine only (a tier on a CPU)
+    "readers": [1, 3],
     "concurrency": [1, 2],
 }
 FAST_CASES, SLOW_CASES = 30, 1000
@@ -56,6 +58,8 @@ def draw_options(rng: random.Random) -> dict:
     if options["engine"] == "native" and options["dtype"] == "float16":
         # Rounding bf16 records to fp16 slots is refused by name (tested).
         options["engine"] = "python"
+    if options["engine"] == "python":
+        options["host_budget"] = None  # refused by name (tested)
     return options
 
 
@@ -145,7 +149,8 @@ def test_every_field_is_drawn() -> None:
     assert list(RUNTIME_CHOICES) == [f.name for f in fields(RuntimeConfig)]
     for name, values in RUNTIME_CHOICES.items():
         for v in values:
-            RuntimeConfig(**{name: v})  # each choice is valid
+            engine = "native" if name == "host_budget" else "python"
+            RuntimeConfig(**{"engine": engine, name: v})  # each choice is valid
 
 
 def test_stress_fast(converted, reference, other_dtypes) -> None:
@@ -287,6 +292,7 @@ def test_stress_every_family(family, tmp_path) -> None:
         o["cache_experts"] = rng.randint(1 if o["concurrency"] == 1 else least, experts)
         if o["engine"] == "native" and o["dtype"] not in ("auto", manifest.dtype):
             o["engine"] = "python"  # it widens to float32 only (refused by name)
+            o["host_budget"] = None
         case.prompts = [[t % vocab for t in p] for p in case.prompts]
         s.run(case)
     assert s.cases == FAMILY_CASES

@@ -165,6 +165,11 @@ def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
             ],
             "prefill_tps": row.median("prefill_tps", "prefill"),
             "peak_rss": max(r["peak_rss"] for r in row.decode + row.prefill),
+            "device_peak": max(
+                (r.get("device_peak") or 0 for r in row.decode + row.prefill),
+                default=0,
+            )
+            or None,
             "tokens_match": all(
                 r["tokens"] == ref.decode[0]["tokens"] for r in row.decode
             ),
@@ -177,6 +182,9 @@ def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
                 bound = max(bound, bpt / (disk["parallel"] * 1e9))
             entry.update(
                 hit_rate=row.median("hit_rate"),
+                host_hit_rate=row.median("host_hit_rate")
+                if row.decode[0].get("host_tier")
+                else None,
                 lru=statistics.median(r["replay"]["lru"] for r in row.decode),
                 policy=statistics.median(
                     r["replay"][row.job.runtime.policy] for r in row.decode
@@ -192,7 +200,9 @@ def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
                 roofline_s=bound,
                 vs_roofline=(1 / tps) / bound,
             )
-            entry["peak_over_budget"] = entry["peak_rss"] / entry["budget"]
+            # The host tier is host memory with its own bound (host_budget).
+            host = max(r.get("host_tier") or 0 for r in row.decode + row.prefill)
+            entry["peak_over_budget"] = entry["peak_rss"] / (entry["budget"] + host)
         out.append(entry)
     return {"config": _jsonable(asdict(cfg)), "disk_gbps": disk, "rows": out}
 
@@ -237,6 +247,7 @@ COLUMNS = [
     ("prefill_tps", "prefill tok/s", "{:.2f}"),
     ("prefill_ratio", "x resident", "{:.3f}"),
     ("hit_rate", "hit", "{:.3f}"),
+    ("host_hit_rate", "host tier hit", "{:.3f}"),
     ("lru", "LRU replay", "{:.3f}"),
     ("policy", "policy replay", "{:.3f}"),
     ("belady", "Belady", "{:.3f}"),
@@ -246,6 +257,7 @@ COLUMNS = [
     ("wasted_mb_per_token", "pf wasted MB/tok", "{:.1f}"),
     ("peak_rss", "peak MB", "{}"),
     ("peak_over_budget", "peak/budget", "{:.3f}"),
+    ("device_peak", "device peak MB", "{}"),
     ("vs_roofline", "x roofline", "{:.2f}"),
     ("tokens_match", "same tokens", "{}"),
 ]
@@ -260,7 +272,7 @@ def format_table(result: dict) -> str:
             v = entry.get(key)
             if v is None:
                 cells.append("")
-            elif key == "peak_rss":
+            elif key in ("peak_rss", "device_peak"):
                 cells.append(str(round(v / 2**20)))
             elif key == "decode_ratios":
                 cells.append(f"{min(v):.3f}-{max(v):.3f}" if v else "")

@@ -53,6 +53,11 @@ class Job:
     seed: int = 0
 
 
+# On a GPU the first use of a kernel shape compiles it (20-47 s): a run decodes
+# this many tokens of another prompt before it is timed.
+GPU_WARMUP_TOKENS = 4
+
+
 def prompt_ids(tokenizer: object, n: int) -> list[int]:
     """`n` token ids of the bench prompt (repeated if it is shorter)."""
     text = resources.files(__package__).joinpath(PROMPT_FILE).read_text()
@@ -85,6 +90,14 @@ def run(job: Job) -> dict:
         if job.cold:
             runtime.store.drop_cache()
     prompt = mx.array(prompt_ids(tokenizer, job.prompt_tokens))
+    if mx.default_device() != mx.cpu:  # compile every decode kernel shape first
+        warm = mx.array(prompt_ids(tokenizer, 16))
+        for _ in generate_step(warm, model, max_tokens=GPU_WARMUP_TOKENS):
+            pass
+        if runtime is not None:
+            if job.cold:
+                runtime.store.drop_cache()
+            runtime.stats.reset()
     mx.random.seed(job.seed)
     steps = generate_step(
         prompt,
@@ -110,13 +123,15 @@ def run(job: Job) -> dict:
         "decode_tokens": n,
         "tokens": tokens,
         "peak_rss": peak_rss(),
+        "device_peak": mx.get_peak_memory() if mx.default_device() != mx.cpu else None,
     }
     if runtime is not None:
-        s = runtime.stats
+        s = runtime.stats.collect()  # the native engine's counters
         result.update(s.as_dict())
         result["bytes_per_token"] = s.bytes_read / max(n, 1)
         result["budget"] = runtime.plan.budget
         result["capacity"] = runtime.plan.capacity
+        result["host_tier"] = runtime.plan.host_tier
         traces = s.routing()
         capacity, cfg = runtime.plan.capacity, job.runtime
         result["replay"] = replay_all(traces, capacity, cfg.policy, cfg.lrfu_decay)

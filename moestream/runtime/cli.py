@@ -288,6 +288,12 @@ def save_cache(
     is_flag=True,
     help="Print one JSON object (text, tokens, stats) instead.",
 )
+@click.option(
+    "--pipeline",
+    is_flag=True,
+    help="Run as one rank of a pipeline started by mlx.launch: this rank loads "
+    "and streams only its share of the layers; rank 0 prints.",
+)
 @engine_options(exclude=("record_trace", "context", "concurrency"))
 @common_options
 def main(
@@ -304,11 +310,41 @@ def main(
     verbose: bool,
     show_stats: bool,
     as_json: bool,
+    pipeline: bool,
     engine: dict,
     **flags: Any,
 ) -> None:
     """Generate text with a model converted by convert-moe."""
     sampling = Sampling(**flags)
+    if pipeline:
+        from ..pipeline import run_rank
+
+        def pipelined() -> dict | None:
+            alone = {
+                "--save-prompt-cache": save_prompt_cache,
+                "--prompt-cache-file": prompt_cache_file,
+                "--draft-model": draft_model,
+                "--trace": trace_file,
+            }
+            for flag, value in alone.items():
+                if value:
+                    raise ValueError(f"--pipeline does not take {flag} yet.")
+            on_text = None if as_json else lambda t: print(t, end="", flush=True)
+            return run_rank(
+                model_dir,
+                prompt_ids,
+                engine,
+                max_tokens,
+                sampling,
+                seed,
+                on_text,
+                show_stats,
+            )
+
+    def prompt_ids(tok: TokenizerWrapper) -> list[int]:
+        return encode_prompt(
+            tok, read_prompt(prompt), ignore_chat_template, system_prompt
+        )
 
     def run() -> dict | None:
         if save_prompt_cache and not save_prompt_cache.endswith(".safetensors"):
@@ -371,7 +407,7 @@ def main(
             write_trace(model, trace_file)
         return report(model, gen)
 
-    result = user_errors(run)
+    result = user_errors(pipelined if pipeline else run)
     if result is None:
         return
     if as_json:
@@ -394,10 +430,29 @@ def main(
             f"prompt {s['prompt_tokens']} tok, {s['prompt_tps']:.1f} tok/s | "
             f"decode {s['generation_tokens']} tok, {s['generation_tps']:.1f} "
             f"tok/s | hit rate {s['hit_rate']:.3f} | "
-            f"{s['decode_bytes_per_token'] / 1e6:.2f} MB read/token | "
+            + host_tier_stats(s)
+            + f"{s['decode_bytes_per_token'] / 1e6:.2f} MB read/token | "
             f"peak {s['peak_memory'] / 2**20:.0f} MB",
             err=True,
         )
+        for r in s.get("ranks", []):  # --pipeline
+            click.echo(
+                f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1]}, "
+                f"{r['capacity']} slots per layer, {r['bytes_read'] / 1e6:.2f} MB "
+                f"read, peak {r['peak_memory'] / 2**20:.0f} MB",
+                err=True,
+            )
+
+
+def host_tier_stats(s: dict) -> str:
+    """The host tier's part of the --stats line (native engine), if it served."""
+    served = s["host_hits"] + s["host_late"] + s["host_misses"]
+    if not served:
+        return ""
+    return (
+        f"host tier hit {s['host_hit_rate']:.3f} of {served} slot fills "
+        f"({s['host_late']} still being read ahead) | "
+    )
 
 
 def report(model: nn.Module, gen: Generation) -> dict:

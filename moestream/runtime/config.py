@@ -15,6 +15,7 @@ BOUNDS = (
     ("context", 1, float("inf")),
     ("prefetch_extra", 0, float("inf")),
     ("lrfu_decay", 0.0, 1.0),
+    ("readers", 1, 256),
 )
 
 
@@ -48,9 +49,21 @@ class RuntimeConfig:
         kernels choose their algorithm by the rows of a call.
     record_trace: keep one event per MoE layer call in the stats (benchmarks).
     lrfu_decay: the `lrfu` policy's decay of every use count per token.
-    engine: "python" runs the reference path (one host sync per MoE layer);
-        "native" resolves slots and reads misses inside MLX's stream (the
-        compiled extension, CPU and CUDA), so decode never syncs per layer.
+    engine: "python" (the reference path; one host sync per MoE layer) or
+        "native" (slots resolved and misses read inside MLX's stream by the
+        compiled extension, CPU and CUDA; no sync per layer), by default native
+        on a GPU where the extension was built with CUDA, else python. On a GPU
+        native measured several times faster (README); on a CPU the two are
+        within a few percent; on macOS nothing is compiled.
+    host_budget: bytes (or "32G") of host memory for the native engine's
+        host tier of expert records, between the blob and the slots; outside
+        `memory_budget`. Its reader threads read a call's misses in parallel,
+        and the next layer's predicted experts ahead of its router. On a GPU
+        the tier is always there (pinned memory that the slot copies read over
+        the bus); default: every record if that fits in half the memory
+        available at load, else that half. On a CPU: none unless given (the
+        page cache is the host tier there).
+    readers: reader threads of the host tier (shared by every loaded model).
     concurrency: sequences decoded at once (a server's batch): the KV cache and
         activations are sized for that many, and each layer needs at least
         min(experts, concurrency x top-k) slots, as a batch's decode step routes
@@ -69,7 +82,9 @@ class RuntimeConfig:
     record_trace: bool = False
     # A half-life of ~34 tokens: best of those replayed on the trained fixture.
     lrfu_decay: float = 0.98
-    engine: str = "python"
+    engine: str | None = None
+    host_budget: int | str | None = None
+    readers: int = 8
     concurrency: int = 1
 
     def __post_init__(self) -> None:
@@ -82,7 +97,7 @@ class RuntimeConfig:
             raise ValueError(
                 f"Unknown dtype {self.dtype}; use one of {', '.join(DTYPES)}."
             )
-        if self.engine not in ENGINES:
+        if self.engine is not None and self.engine not in ENGINES:
             raise ValueError(
                 f"Unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}."
             )
@@ -93,10 +108,15 @@ class RuntimeConfig:
                 f"Unknown cache policy {self.policy!r}; use one of "
                 f"{', '.join(POLICIES)}."
             )
-        if self.prefetch and self.engine == "python":
+        if self.prefetch and self.engine_used == "python":
             raise ValueError(
                 "The python engine does not prefetch (it measured slower with it); "
                 "use engine='native' or leave prefetch unset."
+            )
+        if self.host_budget is not None and self.engine_used == "python":
+            raise ValueError(
+                "The host tier belongs to the native engine; use engine='native' "
+                "or leave host_budget unset."
             )
         for name, low, high in BOUNDS:
             value = getattr(self, name)
@@ -111,9 +131,19 @@ class RuntimeConfig:
         return self.whole_calls
 
     @property
+    def engine_used(self) -> str:
+        """`engine`, with its default resolved for the current device."""
+        if self.engine is not None:
+            return self.engine
+        from . import native  # imports the extension, which needs mlx.core first
+
+        gpu = mx.default_device() != mx.cpu
+        return "native" if gpu and native.cuda_available() else "python"
+
+    @property
     def prefetches(self) -> bool:
         """`prefetch`, with its default resolved for the engine."""
-        return self.engine == "native" if self.prefetch is None else self.prefetch
+        return self.engine_used == "native" if self.prefetch is None else self.prefetch
 
     @property
     def spare_slot(self) -> bool:

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ..families import (
     build_model,
     cast_floating,
     get_family,
+    layer_index,
     quantize_as_configured,
     replace_module,
     switch_modules,
@@ -30,6 +32,7 @@ from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
 from ..units import human_bytes, parse_size, peak_rss
+from . import native
 from .config import RuntimeConfig
 from .prefetch import chain_prefetch, router_predictor  # noqa: F401  (old home)
 from .stats import RuntimeStats
@@ -47,6 +50,10 @@ RESERVE_FRACTION = 0.03
 # glibc's mallopt parameter number, and the threshold set under a budget.
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 20
+
+
+# Cuts a lazily built model to the decoder layers one process runs; returns them.
+Shard = Callable[[nn.Module], range]
 
 
 class BudgetError(ValueError):
@@ -68,6 +75,16 @@ class MemoryPlan:
     capacity: int
     num_experts: int
     concurrency: int = 1  # sequences the KV cache and activations are sized for
+    # The native engine's host tier (RuntimeConfig.host_budget): records of
+    # `host_record` bytes in host memory (pinned on a GPU), outside `budget`.
+    host_records: int = 0
+    host_record: int = 0
+    host_budget: int | None = None
+    host_pinned: bool = False
+
+    @property
+    def host_tier(self) -> int:
+        return self.host_records * self.host_record
 
     @property
     def pools(self) -> int:
@@ -86,7 +103,19 @@ class MemoryPlan:
             f"{h(self.kv_cache)}{seqs} + activations {h(self.activations)} + staging "
             f"{h(self.staging)} + reserve {h(self.reserve)} + experts "
             f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer) = "
-            f"{h(self.total)}" + (f" of {h(self.budget)}" if self.budget else "")
+            f"{h(self.total)}"
+            + (f" of {h(self.budget)}" if self.budget else "")
+            + self.describe_host()
+        )
+
+    def describe_host(self) -> str:
+        if not self.host_records:
+            return ""
+        kind = "pinned " if self.host_pinned else ""
+        bound = f" of {human_bytes(self.host_budget)}" if self.host_budget else ""
+        return (
+            f"; host tier {human_bytes(self.host_tier)}{bound} ({kind}host memory, "
+            f"{self.host_records} records of {human_bytes(self.host_record)})"
         )
 
 
@@ -109,6 +138,7 @@ def load(
     tokenizer: TokenizerWrapper | None = None,
     tokenizer_config: dict | None = None,
     progress: bool = False,
+    shard: Shard | None = None,
     **options: object,
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a converted model for `mlx_lm.generate` / `mlx_lm.stream_generate`.
@@ -120,6 +150,9 @@ def load(
         them, e.g. {"chat_template": "..."} (ignored with `tokenizer`).
     progress: progress bars (stderr) for the file checksums and for reading
         every expert when all fit.
+    shard: cuts the lazily built model to a range of decoder layers before any
+        weight is read, and returns it; only those layers' dense weights and
+        experts are loaded and planned for (a pipeline rank: moestream.pipeline).
     """
     cfg = replace(config or RuntimeConfig(), **options)  # validates the options
     directory = Path(path)
@@ -136,9 +169,10 @@ def load(
         )
     process = _process_bytes()
     model = build_model(model_config)
+    manifest, model_config, keep = _cut(model, manifest, model_config, shard)
     switches = switch_modules(model)
     layers = check_layers(manifest, switches)
-    _load_dense(model, directory, manifest, model_config)
+    _load_dense(model, directory, manifest, model_config, keep)
     _check_expert_shapes(switches, layers)
     cast_floating(model, compute)
     plan = _plan_model(manifest, model_config, model, compute, process, cfg)
@@ -148,6 +182,10 @@ def load(
     stats = RuntimeStats(recording=cfg.record_trace)
     store = ExpertStore(directory, manifest, verify=cfg.verify)
     outstanding = Outstanding()
+    tier = None
+    if plan.host_records:
+        tier = native.host_tier(plan, cfg.readers)
+        stats.native.append(tier)
     streaming = {}
     for spath, module in switches.items():
         streaming[spath] = StreamingSwitchGLU(
@@ -159,6 +197,7 @@ def load(
             stats,
             outstanding,
             cfg,
+            tier,
         )
         replace_module(model, spath, streaming[spath])
     if cfg.prefetches:  # the native engine's read-ahead
@@ -198,7 +237,7 @@ def _plan_model(
     cfg: RuntimeConfig,
 ) -> MemoryPlan:
     budget = cfg.memory_budget
-    return plan_memory(
+    plan = plan_memory(
         manifest,
         config,
         _nbytes(model),
@@ -209,6 +248,42 @@ def _plan_model(
         cfg.cache_experts,
         cfg.spare_slot,
         cfg.concurrency,
+    )
+    return plan_host_tier(plan, manifest, cfg)
+
+
+def plan_host_tier(
+    plan: MemoryPlan, manifest: Manifest, cfg: RuntimeConfig
+) -> MemoryPlan:
+    """The native engine's host tier under `cfg.host_budget`: on a GPU always
+    (the records a call copies to its slots live there; default: every record
+    if that fits in half the memory available now, else that half), on a CPU
+    only when a budget is given (the page cache is its host tier)."""
+    if cfg.engine_used != "native" or plan.capacity >= plan.num_experts:
+        return plan
+    on_gpu = mx.default_device() != mx.cpu
+    if cfg.host_budget is None and not on_gpu:
+        return plan
+    record = max(layer.record_nbytes for layer in manifest.layers)
+    every = sum(layer.num_experts for layer in manifest.layers)
+    if cfg.host_budget is None:
+        budget = min(every * record, _available_memory() // 2)
+    else:
+        budget = parse_size(cfg.host_budget)
+    records = min(every, budget // record)
+    if records < plan.capacity:  # one call's misses are read into it at once
+        raise BudgetError(
+            f"Host budget {human_bytes(budget)} holds {records} expert records; "
+            f"one call of {plan.capacity} slots needs {plan.capacity} "
+            f"({human_bytes(plan.capacity * record, up=True)}): give --host-budget "
+            f"{human_bytes(plan.capacity * record, up=True)} or more."
+        )
+    return replace(
+        plan,
+        host_records=records,
+        host_record=record,
+        host_budget=budget if cfg.host_budget is not None else None,
+        host_pinned=on_gpu,
     )
 
 
@@ -235,6 +310,7 @@ def budget_for(
     capacity: int,
     context: int = 4096,
     options: RuntimeConfig | None = None,
+    shard: Shard | None = None,
 ) -> int:
     """A --memory-budget that holds `capacity` slots per layer: the smallest,
     plus 1 % for the process growing between this call and `load`.
@@ -247,7 +323,7 @@ def budget_for(
         cache_experts=capacity,
         context=context,
     )
-    plan = plan_for(path, cfg)
+    plan = plan_for(path, cfg, shard)
     return _budget_holding(plan.total - plan.reserve, growth=0.01)
 
 
@@ -257,8 +333,11 @@ def _budget_holding(unreserved: int, growth: float = 0.0) -> int:
     return math.ceil(need / (1 - RESERVE_FRACTION))
 
 
-def plan_for(path: str | Path, config: RuntimeConfig | None = None) -> MemoryPlan:
-    """The memory plan `load(path, config)` would make, without reading a weight.
+def plan_for(
+    path: str | Path, config: RuntimeConfig | None = None, shard: Shard | None = None
+) -> MemoryPlan:
+    """The memory plan `load(path, config, shard=shard)` would make, without
+    reading a weight.
 
     Raises BudgetError as `load` would.
     """
@@ -267,13 +346,30 @@ def plan_for(path: str | Path, config: RuntimeConfig | None = None) -> MemoryPla
     manifest = load_manifest(directory)
     model_config = load_config(directory)
     model = build_model(model_config)
+    manifest, model_config, keep = _cut(model, manifest, model_config, shard)
     switches = switch_modules(model)
     layers = check_layers(manifest, switches)
-    _load_dense(model, directory, manifest, model_config)
+    _load_dense(model, directory, manifest, model_config, keep)
     _check_expert_shapes(switches, layers)  # before sizing memory from the manifest
     compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     cast_floating(model, compute)
     return _plan_model(manifest, model_config, model, compute, _process_bytes(), cfg)
+
+
+def _cut(
+    model: nn.Module, manifest: Manifest, config: dict, shard: Shard | None
+) -> tuple[Manifest, dict, range | None]:
+    """Apply `shard`: the manifest of its layers' experts only, a config whose
+    layer count (what the KV cache is planned for) is its own, and its layers."""
+    if shard is None:
+        return manifest, config, None
+    keep = shard(model)
+    mine = tuple(x for x in manifest.layers if layer_index(x.module) in keep)
+    n = {"num_hidden_layers": len(keep)}
+    config = {**config, **n}
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"] = {**config["text_config"], **n}
+    return replace(manifest, layers=mine), config, keep
 
 
 def _text_config(config: dict) -> dict:
@@ -332,9 +428,15 @@ def dense_weights(directory: Path, manifest: Manifest) -> dict[str, mx.array]:
 
 
 def _load_dense(
-    model: nn.Module, directory: Path, manifest: Manifest, config: dict
+    model: nn.Module,
+    directory: Path,
+    manifest: Manifest,
+    config: dict,
+    keep: range | None = None,
 ) -> None:
     weights = dense_weights(directory, manifest)
+    if keep is not None:  # lazy: the other layers' tensors are never read
+        weights = {k: v for k, v in weights.items() if _in_layers(k, keep)}
     quantize_as_configured(model, config, weights)
     # The expert tensors stream from blobs: keep the lazy, never-evaluated ones.
     placeholders = list(_expert_params(model).items())
@@ -345,6 +447,14 @@ def _load_dense(
         raise FormatError(
             f"Dense weights do not fit the model: {detail[:300]}; convert again."
         ) from e
+
+
+def _in_layers(name: str, keep: range) -> bool:
+    """A dense tensor of a kept decoder layer, or of none (embeddings, head)."""
+    try:
+        return layer_index(name) in keep
+    except ValueError:
+        return True
 
 
 def _expert_params(model: nn.Module) -> dict[str, mx.array]:
@@ -378,12 +488,12 @@ def plan_memory(
     needs a slot for every expert one step of theirs can route to."""
     top_k = get_family(config).top_k(config)
     config = _text_config(config)
-    num_experts = max(layer.num_experts for layer in manifest.layers)
+    num_experts = max((x.num_experts for x in manifest.layers), default=0)
     least = min(num_experts, concurrency * top_k)
     slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
     kv = concurrency * _kv_bytes(config, context, compute)
     act = concurrency * _activation_bytes(config, context, top_k)
-    staging = max(layer.record_nbytes for layer in manifest.layers)
+    staging = max((x.record_nbytes for x in manifest.layers), default=0)
     staging += slot if spare_slot else 0  # the spare zero slot of whole groups
     if cache_experts is None and budget is None:
         fixed = process + dense + kv + act + staging

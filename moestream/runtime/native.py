@@ -3,9 +3,12 @@
 `RuntimeConfig.engine="native"` hands each streaming layer an `ExpertCache`
 (csrc/, built by `pip install`) whose `fetch` primitive turns routed expert
 ids into slot ids while MLX evaluates the graph: misses are read on the
-stream (CPU) or by a host function in the CUDA stream that stages them in
-pinned memory for a copy kernel, so a decode step never returns to Python
-between MoE layers. The Python engine (switch.py) is the reference path.
+stream (CPU) or by a host function in the CUDA stream, so a decode step never
+returns to Python between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
+holds records in host memory between the blob and the slots: its reader
+threads read a call's misses in parallel and the next layer's predicted
+experts ahead; on a GPU it is pinned memory that a copy kernel reads from.
+The Python engine (switch.py) is the reference path.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class NativeEngineError(ValueError):
 
 def available() -> bool:
     return _native is not None and _native.mlx_version == mx.__version__
+
+
+def cuda_available() -> bool:
+    return available() and _native.built_with_cuda()
 
 
 def require() -> None:
@@ -80,6 +87,7 @@ def expert_cache(
     policy: str,
     decay: float,
     max_pairs: int,
+    tier: object | None = None,
 ) -> object:
     """The native cache of one MoE layer over its evaluated slot arrays."""
     require()
@@ -103,7 +111,20 @@ def expert_cache(
         max_pairs=max_pairs,
     )
     cache.bind(slots, mx.default_device() != mx.cpu)
+    if tier is not None:
+        cache.attach(tier)
     return cache
+
+
+def host_tier(plan: object, readers: int) -> object:
+    """The host tier `plan` sizes (MemoryPlan.host_records), shared by every layer."""
+    require()
+    return _native.HostTier(
+        capacity=plan.host_records,  # type: ignore[attr-defined]
+        record_bytes=plan.host_record,  # type: ignore[attr-defined]
+        readers=readers,
+        pinned=plan.host_pinned,  # type: ignore[attr-defined]
+    )
 
 
 def fetch(cache: object, indices: mx.array, predicted: mx.array | None) -> mx.array:

@@ -26,18 +26,30 @@ class RuntimeStats:
     prefetched_used: int = 0  # ... that the next layer routed to
     prefetch_bytes: int = 0
     misses_prefetched: int = 0  # misses whose record had been prefetched
+    # The native engine's host tier: slot misses whose record it held (read
+    # ahead or kept), still being read ahead, or read from the blob then.
+    host_hits: int = 0
+    host_late: int = 0
+    host_misses: int = 0
+    host_evictions: int = 0
     per_layer_misses: dict[int, int] = field(default_factory=dict)
     # With RuntimeConfig.record_trace: one event per MoE layer call (`events`).
     recording: bool = False
     _events: list[dict] = field(default_factory=list, repr=False)
     _steps: dict[int, int] = field(default_factory=dict, repr=False)
-    # Native expert caches whose counters `collect` folds in (engine="native").
+    # Native expert caches and host tier, whose counters `collect` folds in.
     native: list = field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Slot misses the host tier served without a read of its own."""
+        total = self.host_hits + self.host_late + self.host_misses
+        return (self.host_hits + self.host_late) / total if total else 0.0
 
     @property
     def prefetch_precision(self) -> float:
@@ -132,4 +144,9 @@ class RuntimeStats:
             "prefetch_wasted_bytes": self.wasted_bytes,
             "sync_free_calls": self.sync_free_calls,
             "native_calls": self.native_calls,
+            "host_hits": self.host_hits,
+            "host_late": self.host_late,
+            "host_misses": self.host_misses,
+            "host_evictions": self.host_evictions,
+            "host_hit_rate": self.host_hit_rate,
         }

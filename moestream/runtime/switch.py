@@ -80,6 +80,7 @@ class StreamingSwitchGLU(nn.Module):
         stats: RuntimeStats,
         outstanding: Outstanding,
         config: RuntimeConfig,
+        tier: object | None = None,
     ):
         super().__init__()
         # Underscored: not parameters, so load_weights and casts leave them alone.
@@ -99,7 +100,7 @@ class StreamingSwitchGLU(nn.Module):
         self._targets = self._allocate_slots()
         slots = [m[n] for m, n in self._targets]
         self._native = None
-        if config.engine == "native":
+        if config.engine_used == "native":
             self._native = native.expert_cache(
                 store.readers[layer.layer].path,
                 layer,
@@ -109,6 +110,7 @@ class StreamingSwitchGLU(nn.Module):
                 policy=config.policy,
                 decay=config.lrfu_decay,
                 max_pairs=cap,
+                tier=tier,
             )
             stats.native.append(self._native)
         else:  # host views of the slots (on a GPU they become managed memory)
