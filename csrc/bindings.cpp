@@ -31,6 +31,7 @@ NB_MODULE(_native, m) {
                 capacity, record_bytes, readers, pinned);
           }),
           "capacity"_a, "record_bytes"_a, "readers"_a, "pinned"_a)
+      .def("drain", &HostTier::drain, nb::call_guard<nb::gil_scoped_release>())
       .def_ro("capacity", &HostTier::capacity)
       .def_ro("record_bytes", &HostTier::record_bytes)
       .def(
@@ -70,6 +71,7 @@ NB_MODULE(_native, m) {
       .def("bind", &ExpertCache::bind, "slots"_a, "on_gpu"_a)
       .def("chain", &ExpertCache::chain, "next"_a)
       .def("attach", &ExpertCache::attach, "tier"_a)
+      .def("preload_tier", &ExpertCache::preload_tier)
       .def("load", &ExpertCache::load, "experts"_a, "tokens"_a,
            nb::call_guard<nb::gil_scoped_release>())
       .def("table", &ExpertCache::table)

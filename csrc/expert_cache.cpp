@@ -389,6 +389,20 @@ void ExpertCache::resolve(
 void ExpertCache::load(const std::vector<int>& experts, int tokens) {
   std::vector<uint32_t> ids(experts.begin(), experts.end());
   std::vector<uint32_t> out(ids.size());
+  if (tier_) { // the stream has run every earlier call: their records may go
+    tier_->begin_call();
+    std::vector<std::pair<int, int>> misses;
+    resolve(ids.data(), ids.size(), tokens, out.data(),
+            [&](int e, int s) { misses.push_back({e, s}); });
+    through_tier(misses, [&](const uint8_t* record, int64_t, int s) {
+      if (on_gpu) {
+        gpu_load_copy(*this, record, s);
+      } else {
+        fill_host(record, s);
+      }
+    });
+    return;
+  }
   resolve(ids.data(), ids.size(), tokens, out.data(), [&](int e, int s) {
     staged(e, [&](const uint8_t* record) {
       if (on_gpu) {

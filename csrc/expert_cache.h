@@ -76,6 +76,11 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   HostTier* tier() const {
     return tier_.get();
   }
+  // Read every record of this layer into the host tier (while it has room).
+  int64_t preload_tier() {
+    return tier_ ? tier_->preload(shared_from_this(), tier_base_, num_experts)
+                 : 0;
+  }
 
   // Slot of every routed pair in `experts` (unique count <= capacity),
   // reading the misses; `write` copies a record into a slot.

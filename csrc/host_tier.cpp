@@ -156,6 +156,30 @@ bool HostTier::read_ahead(const std::shared_ptr<ExpertCache>& cache,
   return true;
 }
 
+int64_t HostTier::preload(const std::shared_ptr<ExpertCache>& cache,
+                          int64_t base, int num_experts) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  int64_t queued = 0;
+  for (int e = 0; e < num_experts; e++) { // in file order
+    if (slot_of_[base + e] >= 0) {
+      continue;
+    }
+    int64_t s = victim(lock, false);
+    if (s < 0) {
+      break;
+    }
+    claim(s, base + e);
+    enqueue(cache, e, s, base + e, false);
+    queued += 1;
+  }
+  return queued;
+}
+
+void HostTier::drain() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  ready_.wait(lock, [&] { return loading_ == 0; });
+}
+
 const uint8_t* HostTier::wait(int64_t slot, int64_t key) {
   std::unique_lock<std::mutex> lock(mutex_);
   // The waiting thread reads too: routed reads are at the front of the queue,

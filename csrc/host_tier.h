@@ -46,6 +46,12 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   // Read a predicted record if it is absent and there is room; true if queued.
   bool read_ahead(const std::shared_ptr<ExpertCache>& cache, int64_t key,
                   int expert);
+  // Queue a read of every record of `cache`'s layer that the tier does not
+  // hold, while it has room; returns how many were queued.
+  int64_t preload(const std::shared_ptr<ExpertCache>& cache, int64_t base,
+                  int num_experts);
+  // Wait until no read is in flight (a failed one is read again when routed).
+  void drain();
   // The record in `slot` once read (rethrows its read error).
   const uint8_t* wait(int64_t slot, int64_t key);
   bool holds(int64_t key);

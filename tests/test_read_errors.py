@@ -26,7 +26,9 @@ from moestream.runtime.cli import main as run_main
 
 # "tier": the native engine reading through its host tier's reader threads.
 ENGINES = ["python"] + (["native", "tier"] if native.available() else [])
-TIER = {"engine": "native", "host_budget": "64M", "readers": 2}
+# A tier of 5 records, fewer than the model's: misses are read from the blob
+# (a tier of every record reads them all at load; test_native.py tests it).
+TIER_RECORDS = 5
 
 PROMPTS = [
     mx.array([[(13 * i + 7) % 300 for i in range(40)]]),
@@ -47,7 +49,11 @@ def engine(request) -> str:
 
 
 def load(path: Path, engine: str, cache_experts: int):
-    options = TIER if engine == "tier" else {"engine": engine}
+    options = {"engine": engine}
+    if engine == "tier":
+        record = max(layer.record_nbytes for layer in load_manifest(path).layers)
+        options = {"engine": "native", "host_budget": TIER_RECORDS * record}
+        options["readers"] = 2
     return moestream.load(path, cache_experts=cache_experts, **options)
 
 

@@ -213,10 +213,25 @@ def load(
     )
     for layer in bar:
         layer.fill_if_all_fit()  # then decode never waits on the host
+    if tier is not None and plan.host_records >= sum(
+        layer.num_experts for layer in manifest.layers
+    ):
+        _fill_tier(tier, streaming.values(), progress)
     stats.reset()
     model.eval()
     model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
     return model, tokenizer
+
+
+def _fill_tier(tier: object, layers: object, progress: bool) -> None:
+    """A host tier that holds every record reads them all now, in file order on
+    its reader threads, so no routed miss waits for a first read (a failed one
+    is read again, and raises, when routed)."""
+    layers = list(layers)
+    bar = tqdm(layers, "host tier", unit="layer", delay=1.0, disable=not progress)
+    for layer in bar:
+        layer.preload_tier()
+        tier.drain()  # type: ignore[attr-defined]
 
 
 def _tokenizer_options(extra: dict | None) -> dict:

@@ -274,6 +274,11 @@ class StreamingSwitchGLU(nn.Module):
             s.bytes_read - nbytes,
         )
 
+    def preload_tier(self) -> None:
+        """Queue reads of this layer's records into the native host tier."""
+        if self._native is not None:
+            self._native.preload_tier()
+
     def fill_if_all_fit(self) -> None:
         """With a slot for every expert, read them all now (in file order, at
         disk speed): the layer then never misses, and decodes with no sync."""
