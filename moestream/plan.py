@@ -106,6 +106,7 @@ def plan_dict(plan: MemoryPlan, cfg: RuntimeConfig) -> dict[str, Any]:
         total=plan.total,
         residency=plan.capacity / max(plan.num_experts, 1),
         context=cfg.context,
+        host_tier=plan.host_tier,
     )
     return d
 
@@ -330,6 +331,17 @@ def format_plan(result: dict[str, Any]) -> str:
         ),
         row("total", p["total"], f"of a {h(budget)} budget" if budget else ""),
     ]
+    if p["host_records"]:  # the native engine's host tier: its own bound
+        kind = "pinned host memory" if p["host_pinned"] else "host memory"
+        bound = f", of {h(p['host_budget'])}" if p["host_budget"] else ""
+        lines.append(
+            row(
+                "host tier",
+                p["host_tier"],
+                f"{p['host_records']} records of {h(p['host_record'])} in {kind}, "
+                f"outside the total{bound}",
+            )
+        )
     if "forecast" not in result:
         return "\n".join(lines)
     pr = result["probe"]

@@ -27,7 +27,7 @@ from moestream.cli import main as cli
 from moestream.evaluate import evaluate, sequences
 from moestream.options import engine_options, field_help
 from moestream.reference import resident_from_converted
-from moestream.runtime import RuntimeConfig, loader
+from moestream.runtime import RuntimeConfig, loader, native
 from moestream.runtime.cli import encode_prompt
 from moestream.runtime.cli import main as run_main
 from moestream.trace import read_trace
@@ -363,6 +363,14 @@ PLAN_FIELDS = (
             ["--concurrency", "3", "--cache-experts", "6"],
             {"concurrency": 3, "cache_experts": 6},
         ),
+        pytest.param(
+            ["--cache-experts", "3", "--engine", "native", "--host-budget", "1M"],
+            {"cache_experts": 3, "engine": "native", "host_budget": "1M"},
+            marks=pytest.mark.skipif(
+                not native.available(), reason="the native engine is not built"
+            ),
+            id="host-tier",
+        ),
     ],
 )
 def test_plan_is_the_plan_load_makes(converted: Path, flags, options) -> None:
@@ -378,6 +386,10 @@ def test_plan_is_the_plan_load_makes(converted: Path, flags, options) -> None:
         for k in ("dense", "kv_cache", "activations", "staging", "reserve", "pools")
     )
     assert plan["residency"] == plan["capacity"] / plan["num_experts"]
+    assert plan["host_tier"] == loaded.host_tier
+    assert (loaded.host_tier > 0) == ("host_budget" in options)
+    text = invoke(cli, ["plan", converted, "--no-forecast", *flags]).output
+    assert ("host tier" in text) == ("host_budget" in options)
 
 
 def test_default_budget_is_what_the_model_needs(converted: Path, monkeypatch) -> None:
