@@ -10,7 +10,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 
@@ -151,16 +150,13 @@ void CUDART_CB resolve_on_host(void* p) {
   g.plan->n = 0;
   c.counters.calls += 1;
   try {
-    c.tier()->begin_call();
-    std::vector<std::pair<int, int>> misses;
-    c.resolve(g.ids, a->n, a->tokens, g.out,
-              [&](int e, int s) { misses.push_back({e, s}); });
-    c.through_tier(misses, [&](const uint8_t*, int64_t host, int s) {
-      int i = g.plan->n;
-      g.plan->entries[i] = s;
-      g.plan->entries[g.max_stage + i] = int(host);
-      g.plan->n = i + 1;
-    });
+    c.resolve_through_tier(
+        g.ids, a->n, a->tokens, g.out, [&](const uint8_t*, int64_t host, int s) {
+          int i = g.plan->n;
+          g.plan->entries[i] = s;
+          g.plan->entries[g.max_stage + i] = int(host);
+          g.plan->n = i + 1;
+        });
     if (a->npred && c.next()) {
       c.next()->hint(g.pred, a->npred);
     }
@@ -305,23 +301,12 @@ void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {
   }
 }
 
-uint8_t* host_alloc(size_t bytes, bool pinned_memory) {
-  if (pinned_memory) {
-    return pinned<uint8_t>(bytes);
-  }
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
-  if (!p) {
-    throw std::bad_alloc();
-  }
-  return p;
+uint8_t* pinned_alloc(size_t bytes) {
+  return pinned<uint8_t>(bytes);
 }
 
-void host_free(uint8_t* p, bool pinned_memory) {
-  if (pinned_memory) {
-    cudaFreeHost(p);
-  } else {
-    std::free(p);
-  }
+void pinned_free(uint8_t* p) {
+  cudaFreeHost(p);
 }
 
 bool built_with_cuda() {

@@ -279,9 +279,13 @@ void ExpertCache::drop(int expert) {
   }
 }
 
-void ExpertCache::through_tier(
-    const std::vector<std::pair<int, int>>& misses,
+void ExpertCache::resolve_through_tier(
+    const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
     const std::function<void(const uint8_t*, int64_t, int)>& use) {
+  tier_->begin_call();
+  std::vector<std::pair<int, int>> misses;
+  resolve(experts, n, tokens, out,
+          [&](int e, int s) { misses.push_back({e, s}); });
   std::vector<int64_t> host(misses.size());
   std::string failure;
   for (size_t i = 0; i < misses.size(); i++) {
@@ -390,17 +394,14 @@ void ExpertCache::load(const std::vector<int>& experts, int tokens) {
   std::vector<uint32_t> ids(experts.begin(), experts.end());
   std::vector<uint32_t> out(ids.size());
   if (tier_) { // the stream has run every earlier call: their records may go
-    tier_->begin_call();
-    std::vector<std::pair<int, int>> misses;
-    resolve(ids.data(), ids.size(), tokens, out.data(),
-            [&](int e, int s) { misses.push_back({e, s}); });
-    through_tier(misses, [&](const uint8_t* record, int64_t, int s) {
-      if (on_gpu) {
-        gpu_load_copy(*this, record, s);
-      } else {
-        fill_host(record, s);
-      }
-    });
+    resolve_through_tier(ids.data(), ids.size(), tokens, out.data(),
+                         [&](const uint8_t* record, int64_t, int s) {
+                           if (on_gpu) {
+                             gpu_load_copy(*this, record, s);
+                           } else {
+                             fill_host(record, s);
+                           }
+                         });
     return;
   }
   resolve(ids.data(), ids.size(), tokens, out.data(), [&](int e, int s) {
@@ -446,13 +447,9 @@ void ExpertFetch::eval_cpu(
     auto& c = *cache;
     c.counters.calls += 1;
     if (c.tier()) {
-      c.tier()->begin_call();
-      std::vector<std::pair<int, int>> misses;
-      c.resolve(ids, n, tokens, slots,
-                [&](int e, int s) { misses.push_back({e, s}); });
-      c.through_tier(misses, [&](const uint8_t* record, int64_t, int s) {
-        c.fill_host(record, s);
-      });
+      c.resolve_through_tier(
+          ids, n, tokens, slots,
+          [&](const uint8_t* record, int64_t, int s) { c.fill_host(record, s); });
     } else {
       c.resolve(ids, n, tokens, slots, [&](int e, int s) {
         c.staged(e, [&](const uint8_t* record) { c.fill_host(record, s); });

@@ -86,11 +86,12 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // reading the misses; `write` copies a record into a slot.
   void resolve(const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
                const std::function<void(int, int)>& write);
-  // The records of the misses `resolve` placed (expert, slot), read through
-  // the host tier, handed to `use(record, host_slot, slot)`. If a read fails,
-  // every one of these misses leaves its slot and the error is rethrown.
-  void through_tier(const std::vector<std::pair<int, int>>& misses,
-                    const std::function<void(const uint8_t*, int64_t, int)>& use);
+  // `resolve` as a new call of the host tier: the misses' records are read
+  // through the tier and handed to `use(record, host_slot, slot)`. If a read
+  // fails, every miss of the call leaves its slot and the error is rethrown.
+  void resolve_through_tier(
+      const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
+      const std::function<void(const uint8_t*, int64_t, int)>& use);
   // Read `expert` into one host staging record shared by every layer (reads
   // run one at a time: the stream's, or the host's after a synchronize),
   // then hand it to `use`.

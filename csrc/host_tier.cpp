@@ -1,5 +1,7 @@
 #include "host_tier.h"
 
+#include <cstdlib>
+#include <new>
 #include <stdexcept>
 
 #include "expert_cache.h"
@@ -202,6 +204,25 @@ const uint8_t* HostTier::wait(int64_t slot, int64_t key) {
     throw std::runtime_error(e);
   }
   return data + slot * record_bytes;
+}
+
+uint8_t* host_alloc(size_t bytes, bool pinned) {
+  if (pinned) {
+    return pinned_alloc(bytes);
+  }
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+  if (!p) {
+    throw std::bad_alloc();
+  }
+  return p;
+}
+
+void host_free(uint8_t* p, bool pinned) {
+  if (pinned) {
+    pinned_free(p);
+  } else {
+    std::free(p);
+  }
 }
 
 namespace {

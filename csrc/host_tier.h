@@ -86,8 +86,11 @@ void submit_read(std::function<void()> task, bool front, int threads);
 // Run the routed read at the front of the queue, if there is one, here.
 bool run_routed_read();
 
-// Host memory for the tier: pinned and mapped on a GPU (cuda_fetch.cu).
+// Host memory for the tier: pinned and mapped on a GPU, else aligned.
 uint8_t* host_alloc(size_t bytes, bool pinned);
 void host_free(uint8_t* p, bool pinned);
+// The pinned kind, from the GPU backend (cuda_fetch.cu; no_cuda.cpp throws).
+uint8_t* pinned_alloc(size_t bytes);
+void pinned_free(uint8_t* p);
 
 } // namespace moestream

@@ -1,6 +1,4 @@
 // Builds without CUDA: the GPU entry points say so.
-#include <cstdlib>
-#include <new>
 #include <stdexcept>
 
 #include "expert_cache.h"
@@ -24,16 +22,12 @@ void gpu_load_copy(ExpertCache&, const uint8_t*, int) {
   no_cuda();
 }
 
-uint8_t* host_alloc(size_t bytes, bool) {
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
-  if (!p) {
-    throw std::bad_alloc();
-  }
-  return p;
+uint8_t* pinned_alloc(size_t) {
+  no_cuda();
 }
 
-void host_free(uint8_t* p, bool) {
-  std::free(p);
+void pinned_free(uint8_t*) {
+  no_cuda();
 }
 
 bool built_with_cuda() {
