@@ -52,9 +52,9 @@ class RuntimeConfig:
     engine: "python" (the reference path; one host sync per MoE layer) or
         "native" (slots resolved and misses read inside MLX's stream by the
         compiled extension, CPU and CUDA; no sync per layer), by default native
-        on a GPU where the extension was built with CUDA, else python. On a GPU
-        native measured several times faster (README); on a CPU the two are
-        within a few percent; on macOS nothing is compiled.
+        on a GPU where the extension was built with CUDA, else python (macOS
+        compiles nothing; on a CPU native lacks per-call trace counters and
+        float16 slots: README).
     host_budget: bytes (or "32G") of host memory for the native engine's
         host tier of expert records, between the blob and the slots; outside
         `memory_budget`. Its reader threads read a call's misses in parallel,

@@ -168,13 +168,9 @@ def load(
             eos_token_ids=model_config.get("eos_token_id"),
         )
     process = _process_bytes()
-    model = build_model(model_config)
-    manifest, model_config, keep = _cut(model, manifest, model_config, shard)
-    switches = switch_modules(model)
-    layers = check_layers(manifest, switches)
-    _load_dense(model, directory, manifest, model_config, keep)
-    _check_expert_shapes(switches, layers)
-    cast_floating(model, compute)
+    model, manifest, model_config, switches, layers = _build(
+        directory, manifest, model_config, compute, shard
+    )
     plan = _plan_model(manifest, model_config, model, compute, process, cfg)
     log.info(plan.describe())
     if plan.budget is not None:
@@ -360,15 +356,32 @@ def plan_for(
     directory = Path(path)
     manifest = load_manifest(directory)
     model_config = load_config(directory)
+    compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
+    model, manifest, model_config, _, _ = _build(
+        directory, manifest, model_config, compute, shard
+    )
+    return _plan_model(manifest, model_config, model, compute, _process_bytes(), cfg)
+
+
+def _build(
+    directory: Path,
+    manifest: Manifest,
+    model_config: dict,
+    compute: mx.Dtype,
+    shard: Shard | None,
+) -> tuple[nn.Module, Manifest, dict, dict, dict]:
+    """What `load` and `plan_for` start from: mlx-lm's model of `model_config`,
+    cut by `shard`, its dense weights loaded lazily and cast to `compute`, its
+    expert tensors left unread; with the (cut) manifest and config, and the
+    MoE modules and their manifest layers."""
     model = build_model(model_config)
     manifest, model_config, keep = _cut(model, manifest, model_config, shard)
     switches = switch_modules(model)
     layers = check_layers(manifest, switches)
     _load_dense(model, directory, manifest, model_config, keep)
     _check_expert_shapes(switches, layers)  # before sizing memory from the manifest
-    compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     cast_floating(model, compute)
-    return _plan_model(manifest, model_config, model, compute, _process_bytes(), cfg)
+    return model, manifest, model_config, switches, layers
 
 
 def _cut(
