@@ -1,12 +1,13 @@
 """The native engine against mlx-lm's resident model on a GPU, one process.
 
-    python scripts/engine_gpu.py OUT [TOKENS] [REPEATS]
+    python scripts/engine_gpu.py OUT [TOKENS] [REPEATS] [ROWS]
 
 Each row loads OUT with its options, decodes 8 warm-up tokens (every kernel
 shape compiled, page cache warm), then alternates REPEATS decode runs of
 TOKENS greedy tokens with runs of the resident model held beside it: the
 ratio is the median of the per-repeat ratios. A cold row loads afresh (empty
 slots and host tier), drops OUT's page cache and times its first TOKENS.
+ROWS: the rows to run, by their indices in `rows` (e.g. 0,1,2,3); all unless given.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def rows(out: str) -> list[tuple[str, dict]]:
     return [
         ("native 25 %", {**native, "cache_experts": q}),
         ("native 10 %", {**native, "cache_experts": d}),
-        ("native 25 %, no prefetch", {**native, "cache_experts": q, "prefetch": False}),
+        ("native 25 %, prefetch on", {**native, "cache_experts": q, "prefetch": True}),
+        ("native 10 %, prefetch on", {**native, "cache_experts": d, "prefetch": True}),
         (
             "native 25 %, host tier 50 %",
             {**native, "cache_experts": q, "host_budget": every // 2 * record},
@@ -80,7 +82,10 @@ def main() -> None:
         "MB read/tok | slot fills/tok | pf precision | device peak MB | RSS MB | same |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, options in rows(out):
+    keep = [int(i) for i in sys.argv[4].split(",")] if len(sys.argv) > 4 else None
+    for i, (name, options) in enumerate(rows(out)):
+        if keep is not None and i not in keep:
+            continue
         mx.reset_peak_memory()
         model, _ = moestream.load(out, **options)
         decode(model, 8)
@@ -98,7 +103,7 @@ def main() -> None:
         line(name, "warm", statistics.median(speeds), ratios, s, runs, same)
         del model, s
         gc.collect()
-        if name in ("native 25 %", "native 10 %", "native 25 %, no prefetch"):
+        if name in ("native 25 %", "native 10 %"):
             model, _ = moestream.load(out, **options)
             model.moestream.store.drop_cache()
             moestream.stats(model).reset()

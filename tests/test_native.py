@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import moestream
 from moestream.formats import load_manifest
 from moestream.runtime import BudgetError, native
+from moestream.runtime.switch import StreamingSwitchGLU
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="moestream's native engine is not built"
@@ -104,6 +105,26 @@ def test_unknown_engine_is_one_line():
         moestream.runtime.RuntimeConfig(engine="fast")
 
 
+def streaming_layers(model) -> list[StreamingSwitchGLU]:
+    found = [m for m in model.modules() if isinstance(m, StreamingSwitchGLU)]
+    return sorted(found, key=lambda m: m._layer.layer)  # model order
+
+
+def test_full_host_tier_predicts_when_asked(converted):
+    """A tier of every record reads ahead nothing by default; prefetch=True
+    still chains the predictions (and stays exact: the case above)."""
+    every = sum(x.num_experts for x in load_manifest(converted).layers)
+    record = max(x.record_nbytes for x in load_manifest(converted).layers)
+    model, _ = moestream.load(
+        converted,
+        cache_experts=3,
+        engine="native",
+        host_budget=every * record,
+        prefetch=True,
+    )
+    assert all(m._predict is not None for m in streaming_layers(model)[:-1])
+
+
 @pytest.mark.parametrize("records", [3, 6, None])
 def test_native_host_tier_bit_identical(converted, reference, records):
     """Misses read through the host tier by its reader threads, with reads
@@ -129,10 +150,13 @@ def test_native_host_tier_bit_identical(converted, reference, records):
     s = moestream.stats(model)
     assert s.native_calls > 0
     assert (s.prefetched > 0) == (records is not None)  # full: nothing to read
+    predicting = [m._predict is not None for m in streaming_layers(model)]
     if records is None:  # read whole at load: every slot fill comes from it
         assert s.host_misses == s.host_evictions == s.bytes_read == 0
         assert s.host_hits == s.misses > 0
+        assert not any(predicting)  # nothing left to read ahead: no prediction
         return
+    assert all(predicting[:-1])  # every layer but the last predicts the next
     assert s.host_misses > 0 and s.bytes_read > 0
     if records == 3:
         assert s.host_evictions > 0

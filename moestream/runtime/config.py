@@ -37,9 +37,11 @@ class RuntimeConfig:
     policy: which resident expert to evict: "lrfu" (decayed use count; best on
         trained routing, see README) or "lru" (the baseline replays compare to).
     prefetch: the native engine predicts the next layer's experts with its
-        router applied to this layer's input and asks the kernel to read the
-        missing ones (None: on there). The python engine measured 2-6 % slower
-        with it, warm and cold (README), and has none.
+        router applied to this layer's input and reads the missing ones ahead
+        (into the host tier, else as kernel readahead). None: on there, unless
+        the host tier holds every record (read at load, so nothing is left to
+        read ahead). The python engine measured 2-6 % slower with it, warm
+        and cold (README), and has none.
     prefetch_extra: predict this many experts beyond the router's top-k: more
         recall for some wasted reads.
     whole_calls: a prefill that routes to more experts than slots runs each

@@ -196,7 +196,11 @@ def load(
             tier,
         )
         replace_module(model, spath, streaming[spath])
-    if cfg.prefetches:  # the native engine's read-ahead
+    every = sum(layer.num_experts for layer in manifest.layers)
+    full_tier = tier is not None and plan.host_records >= every
+    # The native engine's read-ahead; by default none into a tier that holds
+    # every record (read at load: nothing is left to read ahead).
+    if cfg.prefetches and not (full_tier and cfg.prefetch is None):
         chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
     mx.eval(model.parameters())
     all_fit = plan.capacity >= plan.num_experts
@@ -209,9 +213,7 @@ def load(
     )
     for layer in bar:
         layer.fill_if_all_fit()  # then decode never waits on the host
-    if tier is not None and plan.host_records >= sum(
-        layer.num_experts for layer in manifest.layers
-    ):
+    if full_tier:
         _fill_tier(tier, streaming.values(), progress)
     stats.reset()
     model.eval()
