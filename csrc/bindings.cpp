@@ -55,7 +55,8 @@ NB_MODULE(_native, m) {
              int capacity,
              const std::vector<std::tuple<int64_t, int64_t, int>>& segments,
              std::vector<uint32_t> checksums, bool verify,
-             const std::string& policy, double decay, int max_pairs) {
+             const std::string& policy, double decay, int max_pairs,
+             bool record_calls) {
             std::vector<moestream::Segment> segs;
             for (auto& [offset, nbytes, widen] : segments) {
               segs.push_back({offset, nbytes, moestream::Widen(widen)});
@@ -63,17 +64,34 @@ NB_MODULE(_native, m) {
             return std::make_shared<ExpertCache>(
                 path, layer, data_offset, stride, record_nbytes, num_experts,
                 capacity, std::move(segs), std::move(checksums), verify,
-                policy == "lru", decay, max_pairs);
+                policy == "lru", decay, max_pairs, record_calls);
           }),
           "path"_a, "layer"_a, "data_offset"_a, "stride"_a, "record_nbytes"_a,
           "num_experts"_a, "capacity"_a, "segments"_a, "checksums"_a,
-          "verify"_a, "policy"_a, "decay"_a, "max_pairs"_a)
+          "verify"_a, "policy"_a, "decay"_a, "max_pairs"_a,
+          "record_calls"_a = false)
       .def("bind", &ExpertCache::bind, "slots"_a, "on_gpu"_a)
       .def("chain", &ExpertCache::chain, "next"_a)
       .def("attach", &ExpertCache::attach, "tier"_a)
       .def("preload_tier", &ExpertCache::preload_tier)
-      .def("load", &ExpertCache::load, "experts"_a, "tokens"_a,
+      .def("load", &ExpertCache::load, "experts"_a, "tokens"_a, "call"_a = -1,
            nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "take_records",
+          [](ExpertCache& c) {
+            nb::list out;
+            for (auto& r : c.take_records()) {
+              nb::list prefetched;
+              for (uint32_t e : r.prefetched) {
+                prefetched.append(e);
+              }
+              out.append(nb::make_tuple(r.call, r.hits, r.misses, r.bytes_read,
+                                        prefetched));
+            }
+            return out;
+          },
+          "(call, hits, misses, bytes_read, prefetched) of each call resolved "
+          "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
       .def("take_error", [](ExpertCache& c) {
         std::lock_guard<std::mutex> lock(c.error_mutex);
@@ -100,9 +118,9 @@ NB_MODULE(_native, m) {
   m.def(
       "fetch",
       [](std::shared_ptr<ExpertCache> cache, const mlx::core::array& inds,
-         const std::optional<mlx::core::array>& predicted) {
-        return moestream::fetch(std::move(cache), inds, predicted);
+         const std::optional<mlx::core::array>& predicted, int64_t call) {
+        return moestream::fetch(std::move(cache), inds, predicted, call);
       },
-      "cache"_a, "inds"_a, "predicted"_a = nb::none(),
+      "cache"_a, "inds"_a, "predicted"_a = nb::none(), "call"_a = -1,
       "Slot ids for routed expert ids; misses are read inside the stream.");
 }

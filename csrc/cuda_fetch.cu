@@ -81,6 +81,7 @@ struct CallArgs {
   int64_t n;
   int tokens;
   int npred;
+  int64_t call;
 };
 
 __global__ void export_ids(
@@ -150,8 +151,9 @@ void CUDART_CB resolve_on_host(void* p) {
   g.plan->n = 0;
   c.counters.calls += 1;
   try {
-    c.resolve_through_tier(
-        g.ids, a->n, a->tokens, g.out, [&](const uint8_t*, int64_t host, int s) {
+    c.resolve_call(
+        g.ids, a->n, a->tokens, g.out, a->call,
+        [&](const uint8_t*, int64_t host, int s) {
           int i = g.plan->n;
           g.plan->entries[i] = s;
           g.plan->entries[g.max_stage + i] = int(host);
@@ -227,7 +229,7 @@ GpuState& gpu_state(ExpertCache& c) {
 } // namespace
 
 void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
-               mx::array& out, bool predicted, mx::Stream s) {
+               mx::array& out, bool predicted, int64_t call, mx::Stream s) {
   auto& enc = cu::get_command_encoder(s);
   enc.device().make_current();
   auto& g = gpu_state(c);
@@ -257,7 +259,7 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
     auto capture = enc.capture_context();
     check(
         cudaLaunchHostFunc(enc.stream(), resolve_on_host,
-                           new CallArgs{&c, n, tokens, npred}),
+                           new CallArgs{&c, n, tokens, npred, call}),
         "cudaLaunchHostFunc");
   }
   enc.set_input_array(out);

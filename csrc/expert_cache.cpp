@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -108,7 +109,8 @@ ExpertCache::ExpertCache(
     bool verify,
     bool lru,
     double decay,
-    int max_pairs)
+    int max_pairs,
+    bool record_calls)
     : path_(path),
       layer_(layer),
       num_experts(num_experts),
@@ -126,7 +128,8 @@ ExpertCache::ExpertCache(
       score_(num_experts, 0.0),
       slot_of_(num_experts, -1),
       expert_in_(capacity, -1),
-      prefetched_(num_experts, 0) {
+      prefetched_(num_experts, 0),
+      recording_(record_calls) {
   if (capacity < 1 || capacity > num_experts) {
     throw std::invalid_argument("capacity must be in 1..num_experts");
   }
@@ -236,19 +239,20 @@ void ExpertCache::hint(const uint32_t* experts, int64_t n) {
       continue;
     }
     if (tier_) {
-      if (tier_->read_ahead(shared_from_this(), tier_base_ + e, int(e))) {
-        prefetched_[e] = 1;
-        counters.prefetched += 1;
-        counters.prefetch_bytes += record_nbytes;
+      if (!tier_->read_ahead(shared_from_this(), tier_base_ + e, int(e))) {
+        continue;
       }
-      continue;
+    } else {
+      ::posix_fadvise(
+          fd_, data_offset_ + int64_t(e) * stride_, record_nbytes,
+          POSIX_FADV_WILLNEED);
     }
     prefetched_[e] = 1;
     counters.prefetched += 1;
     counters.prefetch_bytes += record_nbytes;
-    ::posix_fadvise(
-        fd_, data_offset_ + int64_t(e) * stride_, record_nbytes,
-        POSIX_FADV_WILLNEED);
+    if (recording_) {
+      hinted_.push_back(e);
+    }
   }
 }
 
@@ -279,19 +283,59 @@ void ExpertCache::drop(int expert) {
   }
 }
 
+void ExpertCache::resolve_call(
+    const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
+    int64_t call, const UseRecord& use) {
+  CallRecord record{call};
+  CallRecord* rec = recording_ && call >= 0 ? &record : nullptr;
+  if (tier_) {
+    resolve_through_tier(experts, n, tokens, out, use, rec);
+  } else {
+    resolve(experts, n, tokens, out, [&](int e, int s) {
+      staged(e, [&](const uint8_t* r) { use(r, -1, s); });
+      if (rec) {
+        rec->bytes_read += record_nbytes;
+      }
+    }, rec);
+  }
+  if (!rec) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(records_mutex_);
+  if (!records_.empty() && records_.back().call == call) { // a grouped call
+    auto& last = records_.back();
+    last.hits += record.hits;
+    last.misses += record.misses;
+    last.bytes_read += record.bytes_read;
+    last.prefetched.insert(last.prefetched.end(), record.prefetched.begin(),
+                           record.prefetched.end());
+  } else {
+    records_.push_back(std::move(record));
+  }
+}
+
+std::vector<CallRecord> ExpertCache::take_records() {
+  std::lock_guard<std::mutex> lock(records_mutex_);
+  return std::exchange(records_, {});
+}
+
 void ExpertCache::resolve_through_tier(
     const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
-    const std::function<void(const uint8_t*, int64_t, int)>& use) {
+    const UseRecord& use, CallRecord* rec) {
   tier_->begin_call();
   std::vector<std::pair<int, int>> misses;
   resolve(experts, n, tokens, out,
-          [&](int e, int s) { misses.push_back({e, s}); });
+          [&](int e, int s) { misses.push_back({e, s}); }, rec);
   std::vector<int64_t> host(misses.size());
   std::string failure;
   for (size_t i = 0; i < misses.size(); i++) {
     try { // queued first, so the readers work on all of them at once
+      bool read = false;
       host[i] = tier_->request(shared_from_this(), tier_base_ + misses[i].first,
-                               misses[i].first);
+                               misses[i].first, read);
+      if (rec && read) {
+        rec->bytes_read += record_nbytes;
+      }
     } catch (const std::exception& e) {
       host[i] = -1;
       failure = failure.empty() ? e.what() : failure;
@@ -343,7 +387,8 @@ void ExpertCache::resolve(
     int64_t n,
     int tokens,
     uint32_t* out,
-    const std::function<void(int, int)>& write) {
+    const std::function<void(int, int)>& write,
+    CallRecord* rec) {
   std::vector<char> keep(num_experts, 0);
   std::vector<int> unique;
   for (int64_t i = 0; i < n; i++) {
@@ -359,17 +404,26 @@ void ExpertCache::resolve(
   if (int(unique.size()) > capacity) {
     throw std::runtime_error("more routed experts than slots in one call");
   }
+  if (rec) {
+    rec->prefetched = std::exchange(hinted_, {});
+  }
   for (int e : unique) {
     if (prefetched_[e]) {
       counters.prefetched_used += 1;
     }
     if (slot_of_[e] >= 0) {
       counters.hits += 1;
+      if (rec) {
+        rec->hits += 1;
+      }
       prefetched_[e] = 0;
       continue;
     }
     int s = victim(keep);
     counters.misses += 1;
+    if (rec) {
+      rec->misses += 1;
+    }
     if (prefetched_[e]) {
       counters.misses_prefetched += 1;
       prefetched_[e] = 0;
@@ -390,29 +444,19 @@ void ExpertCache::resolve(
   }
 }
 
-void ExpertCache::load(const std::vector<int>& experts, int tokens) {
+void ExpertCache::load(const std::vector<int>& experts, int tokens,
+                       int64_t call) {
   std::vector<uint32_t> ids(experts.begin(), experts.end());
   std::vector<uint32_t> out(ids.size());
-  if (tier_) { // the stream has run every earlier call: their records may go
-    resolve_through_tier(ids.data(), ids.size(), tokens, out.data(),
-                         [&](const uint8_t* record, int64_t, int s) {
-                           if (on_gpu) {
-                             gpu_load_copy(*this, record, s);
-                           } else {
-                             fill_host(record, s);
-                           }
-                         });
-    return;
-  }
-  resolve(ids.data(), ids.size(), tokens, out.data(), [&](int e, int s) {
-    staged(e, [&](const uint8_t* record) {
-      if (on_gpu) {
-        gpu_load_copy(*this, record, s);
-      } else {
-        fill_host(record, s);
-      }
-    });
-  });
+  // The stream has run every earlier call: a tier's records they used may go.
+  resolve_call(ids.data(), ids.size(), tokens, out.data(), call,
+               [&](const uint8_t* record, int64_t, int s) {
+                 if (on_gpu) {
+                   gpu_load_copy(*this, record, s);
+                 } else {
+                   fill_host(record, s);
+                 }
+               });
 }
 
 std::vector<int> ExpertCache::table() const {
@@ -439,22 +483,14 @@ void ExpertFetch::eval_cpu(
   if (predicted_) {
     predicted = inputs[1];
   }
-  enc.dispatch([cache = cache_, inds, predicted, out]() mutable {
+  enc.dispatch([cache = cache_, inds, predicted, out, call = call_]() mutable {
     int64_t n = inds.size();
     int tokens = int(n / std::max<int64_t>(1, inds.shape(-1)));
-    auto* ids = inds.data<uint32_t>();
-    auto* slots = out.data<uint32_t>();
     auto& c = *cache;
     c.counters.calls += 1;
-    if (c.tier()) {
-      c.resolve_through_tier(
-          ids, n, tokens, slots,
-          [&](const uint8_t* record, int64_t, int s) { c.fill_host(record, s); });
-    } else {
-      c.resolve(ids, n, tokens, slots, [&](int e, int s) {
-        c.staged(e, [&](const uint8_t* record) { c.fill_host(record, s); });
-      });
-    }
+    c.resolve_call(
+        inds.data<uint32_t>(), n, tokens, out.data<uint32_t>(), call,
+        [&](const uint8_t* record, int64_t, int s) { c.fill_host(record, s); });
     if (predicted && c.next()) {
       c.next()->hint(predicted->data<uint32_t>(), predicted->size());
     }
@@ -464,13 +500,14 @@ void ExpertFetch::eval_cpu(
 void ExpertFetch::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  gpu_fetch(*cache_, inputs, outputs[0], predicted_, stream());
+  gpu_fetch(*cache_, inputs, outputs[0], predicted_, call_, stream());
 }
 
 mx::array fetch(
     std::shared_ptr<ExpertCache> cache,
     const mx::array& inds,
-    const std::optional<mx::array>& predicted) {
+    const std::optional<mx::array>& predicted,
+    int64_t call) {
   auto s = mx::default_stream(mx::default_device());
   std::vector<mx::array> inputs = {
       mx::contiguous(mx::astype(inds, mx::uint32, s), false, s)};
@@ -482,7 +519,8 @@ mx::array fetch(
   return mx::array(
       shape,
       mx::uint32,
-      std::make_shared<ExpertFetch>(s, std::move(cache), bool(predicted)),
+      std::make_shared<ExpertFetch>(
+          s, std::move(cache), bool(predicted), call),
       std::move(inputs));
 }
 

@@ -88,8 +88,10 @@ def expert_cache(
     decay: float,
     max_pairs: int,
     tier: object | None = None,
+    record_calls: bool = False,
 ) -> object:
-    """The native cache of one MoE layer over its evaluated slot arrays."""
+    """The native cache of one MoE layer over its evaluated slot arrays;
+    `record_calls` keeps each call's counts (RuntimeStats.events)."""
     require()
     segments = [
         (seg.offset, seg.nbytes, _widen(seg.dtype, a.dtype))
@@ -109,6 +111,7 @@ def expert_cache(
         policy=policy,
         decay=decay,
         max_pairs=max_pairs,
+        record_calls=record_calls,
     )
     cache.bind(slots, mx.default_device() != mx.cpu)
     if tier is not None:
@@ -127,6 +130,9 @@ def host_tier(plan: object, readers: int) -> object:
     )
 
 
-def fetch(cache: object, indices: mx.array, predicted: mx.array | None) -> mx.array:
-    """Slot ids for `indices`; the misses are read when MLX evaluates them."""
-    return _native.fetch(cache, indices, predicted)
+def fetch(
+    cache: object, indices: mx.array, predicted: mx.array | None, call: int = -1
+) -> mx.array:
+    """Slot ids for `indices`; the misses are read when MLX evaluates them, and
+    the call's counts recorded under `call` (RuntimeStats.next_step)."""
+    return _native.fetch(cache, indices, predicted, call)
