@@ -18,6 +18,23 @@ NB_MODULE(_native, m) {
   m.doc() = "moestream's native expert engine (an MLX extension)";
   m.attr("mlx_version") = mlx::core::version();
   m.def("built_with_cuda", &moestream::built_with_cuda);
+  m.def(
+      "cast",
+      [](nb::bytes data, int cast) {
+        moestream::Segment seg{0, int64_t(data.size()), moestream::Cast(cast)};
+        if (cast < 1 || cast > 6 ||
+            seg.nbytes % moestream::cast_src_size(seg.cast)) {
+          throw std::invalid_argument("not a cast of these bytes");
+        }
+        std::string out(seg.nbytes / moestream::cast_src_size(seg.cast) *
+                            moestream::cast_dst_size(seg.cast), '\0');
+        ExpertCache::cast_host(reinterpret_cast<const uint8_t*>(data.c_str()),
+                               seg, reinterpret_cast<uint8_t*>(out.data()));
+        return nb::bytes(out.data(), out.size());
+      },
+      "data"_a, "cast"_a,
+      "Stored floats converted as a record's segment is into its slot "
+      "(native.CASTS gives `cast`).");
   m.def("crc32", [](nb::bytes b, uint32_t crc) {
     return moestream::crc32(
         reinterpret_cast<const uint8_t*>(b.c_str()), b.size(), crc);
@@ -58,8 +75,8 @@ NB_MODULE(_native, m) {
              const std::string& policy, double decay, int max_pairs,
              bool record_calls) {
             std::vector<moestream::Segment> segs;
-            for (auto& [offset, nbytes, widen] : segments) {
-              segs.push_back({offset, nbytes, moestream::Widen(widen)});
+            for (auto& [offset, nbytes, cast] : segments) {
+              segs.push_back({offset, nbytes, moestream::Cast(cast)});
             }
             return std::make_shared<ExpertCache>(
                 path, layer, data_offset, stride, record_nbytes, num_experts,

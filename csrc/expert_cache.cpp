@@ -44,36 +44,6 @@ std::string os_error(const std::string& what) {
   return what + ": " + std::strerror(errno);
 }
 
-float bf16_to_f32(uint16_t h) {
-  uint32_t w = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-
-float f16_to_f32(uint16_t h) {
-  // Exact IEEE half -> single, subnormals included.
-  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F,
-           man = h & 0x3FF, w;
-  if (exp == 0x1F) {
-    w = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    w = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    w = sign;
-  } else {
-    int e = -1;
-    do {
-      e++;
-      man <<= 1;
-    } while (!(man & 0x400));
-    w = sign | (uint32_t(112 - e) << 23) | ((man & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-
 } // namespace
 
 uint32_t crc32(const uint8_t* p, size_t n, uint32_t crc) {
@@ -156,6 +126,16 @@ void ExpertCache::bind(std::vector<mx::array> s, bool gpu_slots) {
   if (s.size() != segments.size()) {
     throw std::invalid_argument("one slot array per segment is needed");
   }
+  for (size_t i = 0; i < s.size(); i++) {
+    auto& seg = segments[i];
+    int64_t bytes = seg.cast == Cast::None
+        ? seg.nbytes
+        : seg.nbytes / cast_src_size(seg.cast) * cast_dst_size(seg.cast);
+    if (s[i].ndim() < 1 || s[i].shape(0) < capacity ||
+        int64_t(s[i].nbytes() / s[i].shape(0)) != bytes) {
+      throw std::invalid_argument("a slot array does not match its segment");
+    }
+  }
   slots = std::move(s);
 }
 
@@ -216,19 +196,19 @@ void ExpertCache::fill_host(const uint8_t* record, int slot) {
     size_t slot_bytes = a.nbytes() / a.shape(0);
     uint8_t* dst = a.data<uint8_t>() + slot * slot_bytes;
     const uint8_t* src = record + seg.offset;
-    if (seg.widen == Widen::None) {
+    if (seg.cast == Cast::None) {
       std::memcpy(dst, src, seg.nbytes);
-      continue;
+    } else {
+      cast_host(src, seg, dst);
     }
-    widen_host(src, seg, reinterpret_cast<float*>(dst));
   }
 }
 
-void ExpertCache::widen_host(const uint8_t* src, const Segment& seg, float* out) {
-  for (int64_t j = 0; j < seg.nbytes / 2; j++) {
-    uint16_t h;
-    std::memcpy(&h, src + 2 * j, 2);
-    out[j] = seg.widen == Widen::Bf16ToF32 ? bf16_to_f32(h) : f16_to_f32(h);
+void ExpertCache::cast_host(const uint8_t* src, const Segment& seg,
+                            uint8_t* out) {
+  int64_t n = seg.nbytes / cast_src_size(seg.cast);
+  for (int64_t j = 0; j < n; j++) {
+    cast_element(seg.cast, src, out, j);
   }
 }
 

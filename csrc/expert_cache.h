@@ -14,19 +14,17 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
+#include "cast.h"
 #include "host_tier.h"
 
 namespace mx = mlx::core;
 
 namespace moestream {
 
-// How a stored segment becomes slot memory.
-enum class Widen : int { None = 0, Bf16ToF32 = 1, F16ToF32 = 2 };
-
 struct Segment {
   int64_t offset; // inside the record
   int64_t nbytes; // stored bytes of one expert
-  Widen widen;
+  Cast cast; // how the stored floats become the slot's (cast.h)
 };
 
 struct Counters {
@@ -110,8 +108,8 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void read_record(int expert, uint8_t* dst);
   // Copy a read record into slot memory on the host (CPU slots).
   void fill_host(const uint8_t* record, int slot);
-  // A 16-bit float segment widened to float32 (`seg.nbytes / 2` values).
-  static void widen_host(const uint8_t* src, const Segment& seg, float* out);
+  // A stored float segment in the slot's float dtype, at `out` (cast.h).
+  static void cast_host(const uint8_t* src, const Segment& seg, uint8_t* out);
   // Read ahead the predicted experts that are not resident: into the host
   // tier, else as kernel readahead.
   void hint(const uint32_t* experts, int64_t n);

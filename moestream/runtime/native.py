@@ -25,10 +25,15 @@ except ImportError as e:  # not built (macOS, or an install without a compiler)
     _native = None
     _IMPORT_ERROR = str(e)
 
-# How a stored float segment becomes its slot dtype (the extension's Widen).
-WIDEN = {
+# How a stored float segment becomes its slot dtype: the extension's Cast
+# (csrc/cast.h), bit for bit MLX's astype.
+CASTS = {
     ("bfloat16", mx.float32): 1,
     ("float16", mx.float32): 2,
+    ("bfloat16", mx.float16): 3,
+    ("float16", mx.bfloat16): 4,
+    ("float32", mx.float16): 5,
+    ("float32", mx.bfloat16): 6,
 }
 
 
@@ -66,15 +71,15 @@ def require() -> None:
         )
 
 
-def _widen(stored: str, slot: mx.Dtype) -> int:
+def _cast(stored: str, slot: mx.Dtype) -> int:
     if stored == str(slot).removeprefix("mlx.core."):
         return 0
-    if (stored, slot) not in WIDEN:
+    if (stored, slot) not in CASTS:
         raise NativeEngineError(
             f"The native engine cannot turn {stored} records into {slot} slots; "
             "use engine='python' or the stored dtype."
         )
-    return WIDEN[(stored, slot)]
+    return CASTS[(stored, slot)]
 
 
 def expert_cache(
@@ -94,7 +99,7 @@ def expert_cache(
     `record_calls` keeps each call's counts (RuntimeStats.events)."""
     require()
     segments = [
-        (seg.offset, seg.nbytes, _widen(seg.dtype, a.dtype))
+        (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
         for seg, a in zip(layer.segments, slots, strict=True)
     ]
     cache = _native.ExpertCache(
