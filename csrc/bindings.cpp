@@ -14,9 +14,36 @@ using namespace nb::literals;
 using moestream::ExpertCache;
 using moestream::HostTier;
 
+namespace {
+// Python's class for read errors (moestream.runtime.store.ExpertReadError).
+PyObject* read_error_class = nullptr;
+} // namespace
+
 NB_MODULE(_native, m) {
   m.doc() = "moestream's native expert engine (an MLX extension)";
   m.attr("mlx_version") = mlx::core::version();
+  // In MLX's nanobind domain, so errors that mx.eval and its kin rethrow
+  // from the stream pass here too: a read error's words raise its class.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::runtime_error& e) {
+      if (!read_error_class || !moestream::is_read_error(e.what())) {
+        throw;
+      }
+      PyErr_SetString(read_error_class, e.what());
+    }
+  });
+  m.def(
+      "set_read_error_class",
+      [](nb::handle cls) {
+        Py_XDECREF(read_error_class);
+        read_error_class = cls.inc_ref().ptr(); // kept until exit
+      },
+      "cls"_a, "The exception class the engine's read errors raise.");
+  m.def("is_read_error", [](const std::string& what) {
+    return moestream::is_read_error(what.c_str());
+  }, "what"_a, "Whether `what` is the message of one of the engine's read errors.");
   m.def("built_with_cuda", &moestream::built_with_cuda);
   m.def(
       "cast",

@@ -3,8 +3,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <stdexcept>
 #include <utility>
 
@@ -44,7 +46,36 @@ std::string os_error(const std::string& what) {
   return what + ": " + std::strerror(errno);
 }
 
+// The messages of recent ReadErrors (the same failure gives the same words).
+struct ReadErrors {
+  static constexpr size_t KEEP = 256;
+  std::mutex mutex;
+  std::deque<std::string> recent;
+};
+
+ReadErrors& read_errors() {
+  static auto* r = new ReadErrors(); // never destroyed: errors may outlive exit
+  return *r;
+}
+
 } // namespace
+
+ReadError::ReadError(const std::string& what) : std::runtime_error(what) {
+  auto& r = read_errors();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (std::find(r.recent.begin(), r.recent.end(), what) == r.recent.end()) {
+    r.recent.push_back(what);
+    if (r.recent.size() > ReadErrors::KEEP) {
+      r.recent.pop_front();
+    }
+  }
+}
+
+bool is_read_error(const char* what) {
+  auto& r = read_errors();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return std::find(r.recent.begin(), r.recent.end(), what) != r.recent.end();
+}
 
 uint32_t crc32(const uint8_t* p, size_t n, uint32_t crc) {
   const auto& t = crc_tables().t;
@@ -157,7 +188,7 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
       // The Python engine's words (ExpertReadError), so both read alike.
       std::string where = "Cannot read expert " + std::to_string(expert) +
           " of layer " + std::to_string(layer_) + " from " + path_;
-      throw std::runtime_error(
+      throw ReadError(
           n < 0 ? os_error(where)
                 : where + ": the record lies past the end of the file; "
                           "convert again.");
@@ -166,7 +197,7 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
   }
   if (verify_ && !verified_[expert]) {
     if (crc32(dst, record_nbytes) != checksums_[expert]) {
-      throw std::runtime_error(
+      throw ReadError(
           "Expert " + std::to_string(expert) + " of layer " +
           std::to_string(layer_) + " in " + path_ +
           " fails its checksum; the file is corrupted: convert again.");

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,15 @@ struct CallRecord {
 using UseRecord = std::function<void(const uint8_t*, int64_t, int)>;
 
 uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc = 0);
+
+// An expert record that cannot be used: Python's ExpertReadError. Its words
+// are remembered, since MLX's stream rethrows errors as plain runtime_errors.
+class ReadError : public std::runtime_error {
+ public:
+  explicit ReadError(const std::string& what);
+};
+// Whether `what` is the message of a ReadError of this process.
+bool is_read_error(const char* what);
 
 struct GpuState; // CUDA side: pinned buffers and kernels (cuda_fetch.cu)
 

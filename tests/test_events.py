@@ -147,7 +147,7 @@ def test_a_failed_call_does_not_shift_later_events(copy, engine) -> None:
         damaged[layer.data_offset + e * layer.stride + 7] ^= 0x10
     blob.write_bytes(bytes(damaged))
     # a decode step that misses in layer 0
-    with pytest.raises((ExpertReadError, RuntimeError)):
+    with pytest.raises(ExpertReadError):
         for t in range(1, 40):
             mx.eval(model(mx.array([[t]]), cache=make_prompt_cache(model)))
     blob.write_bytes(original)

@@ -3,6 +3,7 @@ path and with mlx-lm's resident model bit for bit."""
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
 from moestream.formats import load_manifest
-from moestream.runtime import BudgetError, native
+from moestream.runtime import BudgetError, ExpertReadError, native
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="moestream's native engine is not built"
@@ -166,7 +167,7 @@ def test_full_host_tier_read_error_surfaces_when_routed(copy, reference):
     model, _ = moestream.load(copy, cache_experts=3, engine="native", host_budget=every)
     prompt = mx.array([[5, 17, 33, 2]])
     for _ in range(2):
-        with pytest.raises(RuntimeError, match=r"of layer 0 .* fails its checksum"):
+        with pytest.raises(ExpertReadError, match=r"of layer 0 .* fails its checksum"):
             mx.eval(model(prompt, cache=make_prompt_cache(model)))
     blob.write_bytes(original)
     ours = model(prompt, cache=make_prompt_cache(model))
@@ -193,3 +194,26 @@ def test_run_moe_stats_show_the_host_tier(converted):
     assert "host tier" in r.stderr.split("memory plan:")[1].split("\n")[0]
     r = CliRunner().invoke(run_main, [*args, "--cache-experts", "3", "--stats"])
     assert r.exit_code == 0 and "host tier" not in r.stderr
+
+
+def test_an_error_a_call_left_raises_its_class(copy):
+    """A CUDA stream's host function cannot raise: the error it leaves in the
+    cache is raised before the next call, ExpertReadError for a record's."""
+
+    class Left:
+        def __init__(self, error: str):
+            self.error = error
+
+        def take_error(self) -> str:
+            return self.error
+
+    model, _ = moestream.load(copy, cache_experts=2, engine="native")
+    layer = load_manifest(copy).layers[0]
+    os.truncate(copy / layer.file, layer.data_offset)  # every record gone
+    with pytest.raises(ExpertReadError) as e:
+        mx.eval(model(PROMPT))
+    with pytest.raises(ExpertReadError, match="Cannot read expert"):
+        native.check(Left(str(e.value)))
+    with pytest.raises(native.NativeEngineError, match="more routed experts"):
+        native.check(Left("more routed experts than slots in one call"))
+    native.check(Left(""))

@@ -18,12 +18,15 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..formats import ExpertLayer
+from .store import ExpertReadError
 
 try:  # mlx.core first: the extension links against the libmlx it loaded
     from .. import _native
 except ImportError as e:  # not built (macOS, or an install without a compiler)
     _native = None
     _IMPORT_ERROR = str(e)
+else:  # its read errors raise ExpertReadError, from mx.eval and its kin too
+    _native.set_read_error_class(ExpertReadError)
 
 # How a stored float segment becomes its slot dtype: the extension's Cast
 # (csrc/cast.h), bit for bit MLX's astype.
@@ -133,6 +136,15 @@ def host_tier(plan: object, readers: int) -> object:
         readers=readers,
         pinned=plan.host_pinned,  # type: ignore[attr-defined]
     )
+
+
+def check(cache: object) -> None:
+    """Raise the error a call left that could not raise where it ran (a CUDA
+    stream's host function): ExpertReadError for a record, else one line."""
+    error = cache.take_error()  # type: ignore[attr-defined]
+    if error:
+        cls = ExpertReadError if _native.is_read_error(error) else NativeEngineError
+        raise cls(error)
 
 
 def fetch(

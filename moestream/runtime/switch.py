@@ -202,7 +202,7 @@ class StreamingSwitchGLU(nn.Module):
         step an engine implements. "python" reads the routing on the host (one
         sync); "native" resolves it inside MLX's stream."""
         if self._native is not None:
-            self._native_check()
+            native.check(self._native)
             call = self._stats.next_step(self._layer.layer)
             self._stats.record(self._layer.layer, indices, None, None, [], None)
             if self._last is not None:  # no slot is overwritten under it
@@ -237,7 +237,7 @@ class StreamingSwitchGLU(nn.Module):
     def _route(self, indices: mx.array) -> Routing:
         """Read the routing on the host: the one sync of a python call."""
         if self._native is not None:
-            self._native_check()
+            native.check(self._native)
             # Our earlier outputs may not be evaluated yet (a later chunk's
             # routing need not depend on them): evaluate them before the host
             # writes our slots, and wait for what is in flight.
@@ -252,11 +252,6 @@ class StreamingSwitchGLU(nn.Module):
         return Routing(
             experts, np.unique(experts), counters, s.next_step(self._layer.layer)
         )
-
-    def _native_check(self) -> None:
-        error = self._native.take_error()  # type: ignore[union-attr]
-        if error:
-            raise native.NativeEngineError(error)
 
     def _issue(self, y: mx.array) -> mx.array:
         """Hand `y` to MLX and keep it until the next host sync."""
