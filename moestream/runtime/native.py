@@ -1,10 +1,11 @@
 """The native engine: slot lookup and expert reads inside MLX's stream.
 
-`RuntimeConfig.engine="native"` hands each streaming layer an `ExpertCache`
-(csrc/, built by `pip install`) whose `fetch` primitive turns routed expert
-ids into slot ids while MLX evaluates the graph: misses are read on the
-stream (CPU) or by a host function in the CUDA stream, so a decode step never
-returns to Python between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
+`RuntimeConfig.engine="native"` (the default wherever the extension is built
+and can run) hands each streaming layer an `ExpertCache` (csrc/, built by
+`pip install`) whose `fetch` primitive turns routed expert ids into slot ids
+while MLX evaluates the graph: misses are read on the stream (CPU) or by a
+host function in the CUDA stream, so a decode step never returns to Python
+between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
 holds records in host memory between the blob and the slots: its reader
 threads read a call's misses in parallel and the next layer's predicted
 experts ahead; on a GPU it is pinned memory that a copy kernel reads from.
@@ -140,7 +141,8 @@ def host_tier(plan: object, readers: int) -> object:
 
 def check(cache: object) -> None:
     """Raise the error a call left that could not raise where it ran (a CUDA
-    stream's host function): ExpertReadError for a record, else one line."""
+    stream's host function): ExpertReadError for a record's, else
+    NativeEngineError."""
     error = cache.take_error()  # type: ignore[attr-defined]
     if error:
         cls = ExpertReadError if _native.is_read_error(error) else NativeEngineError
