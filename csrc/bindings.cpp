@@ -14,10 +14,54 @@ using namespace nb::literals;
 using moestream::ExpertCache;
 using moestream::HostTier;
 
+namespace {
+// Python's class for read errors (moestream.runtime.store.ExpertReadError).
+PyObject* read_error_class = nullptr;
+} // namespace
+
 NB_MODULE(_native, m) {
   m.doc() = "moestream's native expert engine (an MLX extension)";
   m.attr("mlx_version") = mlx::core::version();
+  // In MLX's nanobind domain, so errors that mx.eval and its kin rethrow
+  // from the stream pass here too: a read error's words raise its class.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::runtime_error& e) {
+      if (!read_error_class || !moestream::is_read_error(e.what())) {
+        throw;
+      }
+      PyErr_SetString(read_error_class, e.what());
+    }
+  });
+  m.def(
+      "set_read_error_class",
+      [](nb::handle cls) {
+        Py_XDECREF(read_error_class);
+        read_error_class = cls.inc_ref().ptr(); // kept until exit
+      },
+      "cls"_a, "The exception class the engine's read errors raise.");
+  m.def("is_read_error", [](const std::string& what) {
+    return moestream::is_read_error(what.c_str());
+  }, "what"_a, "Whether `what` is the message of one of the engine's read errors.");
   m.def("built_with_cuda", &moestream::built_with_cuda);
+  m.def(
+      "cast",
+      [](nb::bytes data, int cast) {
+        moestream::Segment seg{0, int64_t(data.size()), moestream::Cast(cast)};
+        if (cast < 1 || cast > 6 ||
+            seg.nbytes % moestream::cast_src_size(seg.cast)) {
+          throw std::invalid_argument("not a cast of these bytes");
+        }
+        std::string out(seg.nbytes / moestream::cast_src_size(seg.cast) *
+                            moestream::cast_dst_size(seg.cast), '\0');
+        ExpertCache::cast_host(reinterpret_cast<const uint8_t*>(data.c_str()),
+                               seg, reinterpret_cast<uint8_t*>(out.data()));
+        return nb::bytes(out.data(), out.size());
+      },
+      "data"_a, "cast"_a,
+      "Stored floats converted as a record's segment is into its slot "
+      "(native.CASTS gives `cast`).");
   m.def("crc32", [](nb::bytes b, uint32_t crc) {
     return moestream::crc32(
         reinterpret_cast<const uint8_t*>(b.c_str()), b.size(), crc);
@@ -55,25 +99,43 @@ NB_MODULE(_native, m) {
              int capacity,
              const std::vector<std::tuple<int64_t, int64_t, int>>& segments,
              std::vector<uint32_t> checksums, bool verify,
-             const std::string& policy, double decay, int max_pairs) {
+             const std::string& policy, double decay, int max_pairs,
+             bool record_calls) {
             std::vector<moestream::Segment> segs;
-            for (auto& [offset, nbytes, widen] : segments) {
-              segs.push_back({offset, nbytes, moestream::Widen(widen)});
+            for (auto& [offset, nbytes, cast] : segments) {
+              segs.push_back({offset, nbytes, moestream::Cast(cast)});
             }
             return std::make_shared<ExpertCache>(
                 path, layer, data_offset, stride, record_nbytes, num_experts,
                 capacity, std::move(segs), std::move(checksums), verify,
-                policy == "lru", decay, max_pairs);
+                policy == "lru", decay, max_pairs, record_calls);
           }),
           "path"_a, "layer"_a, "data_offset"_a, "stride"_a, "record_nbytes"_a,
           "num_experts"_a, "capacity"_a, "segments"_a, "checksums"_a,
-          "verify"_a, "policy"_a, "decay"_a, "max_pairs"_a)
+          "verify"_a, "policy"_a, "decay"_a, "max_pairs"_a,
+          "record_calls"_a = false)
       .def("bind", &ExpertCache::bind, "slots"_a, "on_gpu"_a)
       .def("chain", &ExpertCache::chain, "next"_a)
       .def("attach", &ExpertCache::attach, "tier"_a)
       .def("preload_tier", &ExpertCache::preload_tier)
-      .def("load", &ExpertCache::load, "experts"_a, "tokens"_a,
+      .def("load", &ExpertCache::load, "experts"_a, "tokens"_a, "call"_a = -1,
            nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "take_records",
+          [](ExpertCache& c) {
+            nb::list out;
+            for (auto& r : c.take_records()) {
+              nb::list prefetched;
+              for (uint32_t e : r.prefetched) {
+                prefetched.append(e);
+              }
+              out.append(nb::make_tuple(r.call, r.hits, r.misses, r.bytes_read,
+                                        prefetched));
+            }
+            return out;
+          },
+          "(call, hits, misses, bytes_read, prefetched) of each call resolved "
+          "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
       .def("take_error", [](ExpertCache& c) {
         std::lock_guard<std::mutex> lock(c.error_mutex);
@@ -100,9 +162,9 @@ NB_MODULE(_native, m) {
   m.def(
       "fetch",
       [](std::shared_ptr<ExpertCache> cache, const mlx::core::array& inds,
-         const std::optional<mlx::core::array>& predicted) {
-        return moestream::fetch(std::move(cache), inds, predicted);
+         const std::optional<mlx::core::array>& predicted, int64_t call) {
+        return moestream::fetch(std::move(cache), inds, predicted, call);
       },
-      "cache"_a, "inds"_a, "predicted"_a = nb::none(),
+      "cache"_a, "inds"_a, "predicted"_a = nb::none(), "call"_a = -1,
       "Slot ids for routed expert ids; misses are read inside the stream.");
 }

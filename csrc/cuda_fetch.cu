@@ -6,7 +6,6 @@
 //      tier holds them already (read ahead, or used before);
 //   3. a kernel copies those records into their device slots (reading the
 //      pinned tier over the bus) and writes the slot ids.
-#include <cuda_fp16.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -42,7 +41,7 @@ T* pinned(size_t count) {
 
 struct SegDesc {
   int64_t offset, nbytes, slot_bytes;
-  int widen;
+  Cast cast;
 };
 
 // Slot memory per segment, read when each call is encoded: a slot array whose
@@ -81,6 +80,7 @@ struct CallArgs {
   int64_t n;
   int tokens;
   int npred;
+  int64_t call;
 };
 
 __global__ void export_ids(
@@ -93,10 +93,6 @@ __global__ void export_ids(
     host_pred[i] = pred[i];
   }
   __threadfence_system();
-}
-
-__device__ float bf16_to_f32(uint16_t h) {
-  return __uint_as_float(uint32_t(h) << 16);
 }
 
 __global__ void apply_plan(
@@ -120,12 +116,10 @@ __global__ void apply_plan(
     const SegDesc& d = segs[s];
     const uint8_t* src = record + d.offset;
     uint8_t* dst = dsts.p[s] + slot * d.slot_bytes;
-    if (d.widen != 0) {
-      auto* h = reinterpret_cast<const uint16_t*>(src);
-      auto* f = reinterpret_cast<float*>(dst);
-      for (int64_t i = tid; i < d.nbytes / 2; i += threads) {
-        f[i] = d.widen == 1 ? bf16_to_f32(h[i]) : __half2float(
-                                                      __ushort_as_half(h[i]));
+    if (d.cast != Cast::None) { // as the host converts (cast.h)
+      int64_t n = d.nbytes / cast_src_size(d.cast);
+      for (int64_t i = tid; i < n; i += threads) {
+        cast_element(d.cast, src, dst, i);
       }
       continue;
     }
@@ -150,8 +144,9 @@ void CUDART_CB resolve_on_host(void* p) {
   g.plan->n = 0;
   c.counters.calls += 1;
   try {
-    c.resolve_through_tier(
-        g.ids, a->n, a->tokens, g.out, [&](const uint8_t*, int64_t host, int s) {
+    c.resolve_call(
+        g.ids, a->n, a->tokens, g.out, a->call,
+        [&](const uint8_t*, int64_t host, int s) {
           int i = g.plan->n;
           g.plan->entries[i] = s;
           g.plan->entries[g.max_stage + i] = int(host);
@@ -209,7 +204,7 @@ GpuState& gpu_state(ExpertCache& c) {
     auto& a = c.slots[i];
     segs.push_back(
         {c.segments[i].offset, c.segments[i].nbytes,
-         int64_t(a.nbytes() / a.shape(0)), int(c.segments[i].widen)});
+         int64_t(a.nbytes() / a.shape(0)), c.segments[i].cast});
   }
   if (segs.size() > MAX_SEGMENTS) {
     throw std::runtime_error("too many expert segments for the native engine");
@@ -227,7 +222,7 @@ GpuState& gpu_state(ExpertCache& c) {
 } // namespace
 
 void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
-               mx::array& out, bool predicted, mx::Stream s) {
+               mx::array& out, bool predicted, int64_t call, mx::Stream s) {
   auto& enc = cu::get_command_encoder(s);
   enc.device().make_current();
   auto& g = gpu_state(c);
@@ -257,7 +252,7 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
     auto capture = enc.capture_context();
     check(
         cudaLaunchHostFunc(enc.stream(), resolve_on_host,
-                           new CallArgs{&c, n, tokens, npred}),
+                           new CallArgs{&c, n, tokens, npred, call}),
         "cudaLaunchHostFunc");
   }
   enc.set_input_array(out);
@@ -282,7 +277,7 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
 
 void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {
   cu::device(mlx::core::Device(mlx::core::Device::gpu)).make_current();
-  std::vector<float> widened;
+  std::vector<uint8_t> cast;
   for (size_t i = 0; i < c.segments.size(); i++) {
     auto& seg = c.segments[i];
     auto& a = c.slots[i];
@@ -291,11 +286,11 @@ void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {
         slot * slot_bytes;
     const void* src = record + seg.offset;
     size_t nbytes = seg.nbytes;
-    if (seg.widen != Widen::None) {
-      widened.resize(seg.nbytes / 2);
-      c.widen_host(record + seg.offset, seg, widened.data());
-      src = widened.data();
-      nbytes = widened.size() * 4;
+    if (seg.cast != Cast::None) {
+      cast.resize(seg.nbytes / cast_src_size(seg.cast) * cast_dst_size(seg.cast));
+      c.cast_host(record + seg.offset, seg, cast.data());
+      src = cast.data();
+      nbytes = cast.size();
     }
     check(cudaMemcpy(dst, src, nbytes, cudaMemcpyHostToDevice), "cudaMemcpy");
   }

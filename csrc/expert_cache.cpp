@@ -3,9 +3,12 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <stdexcept>
+#include <utility>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -43,37 +46,36 @@ std::string os_error(const std::string& what) {
   return what + ": " + std::strerror(errno);
 }
 
-float bf16_to_f32(uint16_t h) {
-  uint32_t w = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
+// The messages of recent ReadErrors (the same failure gives the same words).
+struct ReadErrors {
+  static constexpr size_t KEEP = 256;
+  std::mutex mutex;
+  std::deque<std::string> recent;
+};
 
-float f16_to_f32(uint16_t h) {
-  // Exact IEEE half -> single, subnormals included.
-  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F,
-           man = h & 0x3FF, w;
-  if (exp == 0x1F) {
-    w = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    w = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    w = sign;
-  } else {
-    int e = -1;
-    do {
-      e++;
-      man <<= 1;
-    } while (!(man & 0x400));
-    w = sign | (uint32_t(112 - e) << 23) | ((man & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
+ReadErrors& read_errors() {
+  static auto* r = new ReadErrors(); // never destroyed: errors may outlive exit
+  return *r;
 }
 
 } // namespace
+
+ReadError::ReadError(const std::string& what) : std::runtime_error(what) {
+  auto& r = read_errors();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (std::find(r.recent.begin(), r.recent.end(), what) == r.recent.end()) {
+    r.recent.push_back(what);
+    if (r.recent.size() > ReadErrors::KEEP) {
+      r.recent.pop_front();
+    }
+  }
+}
+
+bool is_read_error(const char* what) {
+  auto& r = read_errors();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return std::find(r.recent.begin(), r.recent.end(), what) != r.recent.end();
+}
 
 uint32_t crc32(const uint8_t* p, size_t n, uint32_t crc) {
   const auto& t = crc_tables().t;
@@ -108,7 +110,8 @@ ExpertCache::ExpertCache(
     bool verify,
     bool lru,
     double decay,
-    int max_pairs)
+    int max_pairs,
+    bool record_calls)
     : path_(path),
       layer_(layer),
       num_experts(num_experts),
@@ -126,7 +129,8 @@ ExpertCache::ExpertCache(
       score_(num_experts, 0.0),
       slot_of_(num_experts, -1),
       expert_in_(capacity, -1),
-      prefetched_(num_experts, 0) {
+      prefetched_(num_experts, 0),
+      recording_(record_calls) {
   if (capacity < 1 || capacity > num_experts) {
     throw std::invalid_argument("capacity must be in 1..num_experts");
   }
@@ -153,6 +157,16 @@ void ExpertCache::bind(std::vector<mx::array> s, bool gpu_slots) {
   if (s.size() != segments.size()) {
     throw std::invalid_argument("one slot array per segment is needed");
   }
+  for (size_t i = 0; i < s.size(); i++) {
+    auto& seg = segments[i];
+    int64_t bytes = seg.cast == Cast::None
+        ? seg.nbytes
+        : seg.nbytes / cast_src_size(seg.cast) * cast_dst_size(seg.cast);
+    if (s[i].ndim() < 1 || s[i].shape(0) < capacity ||
+        int64_t(s[i].nbytes() / s[i].shape(0)) != bytes) {
+      throw std::invalid_argument("a slot array does not match its segment");
+    }
+  }
   slots = std::move(s);
 }
 
@@ -174,7 +188,7 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
       // The Python engine's words (ExpertReadError), so both read alike.
       std::string where = "Cannot read expert " + std::to_string(expert) +
           " of layer " + std::to_string(layer_) + " from " + path_;
-      throw std::runtime_error(
+      throw ReadError(
           n < 0 ? os_error(where)
                 : where + ": the record lies past the end of the file; "
                           "convert again.");
@@ -183,7 +197,7 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
   }
   if (verify_ && !verified_[expert]) {
     if (crc32(dst, record_nbytes) != checksums_[expert]) {
-      throw std::runtime_error(
+      throw ReadError(
           "Expert " + std::to_string(expert) + " of layer " +
           std::to_string(layer_) + " in " + path_ +
           " fails its checksum; the file is corrupted: convert again.");
@@ -213,19 +227,19 @@ void ExpertCache::fill_host(const uint8_t* record, int slot) {
     size_t slot_bytes = a.nbytes() / a.shape(0);
     uint8_t* dst = a.data<uint8_t>() + slot * slot_bytes;
     const uint8_t* src = record + seg.offset;
-    if (seg.widen == Widen::None) {
+    if (seg.cast == Cast::None) {
       std::memcpy(dst, src, seg.nbytes);
-      continue;
+    } else {
+      cast_host(src, seg, dst);
     }
-    widen_host(src, seg, reinterpret_cast<float*>(dst));
   }
 }
 
-void ExpertCache::widen_host(const uint8_t* src, const Segment& seg, float* out) {
-  for (int64_t j = 0; j < seg.nbytes / 2; j++) {
-    uint16_t h;
-    std::memcpy(&h, src + 2 * j, 2);
-    out[j] = seg.widen == Widen::Bf16ToF32 ? bf16_to_f32(h) : f16_to_f32(h);
+void ExpertCache::cast_host(const uint8_t* src, const Segment& seg,
+                            uint8_t* out) {
+  int64_t n = seg.nbytes / cast_src_size(seg.cast);
+  for (int64_t j = 0; j < n; j++) {
+    cast_element(seg.cast, src, out, j);
   }
 }
 
@@ -236,19 +250,20 @@ void ExpertCache::hint(const uint32_t* experts, int64_t n) {
       continue;
     }
     if (tier_) {
-      if (tier_->read_ahead(shared_from_this(), tier_base_ + e, int(e))) {
-        prefetched_[e] = 1;
-        counters.prefetched += 1;
-        counters.prefetch_bytes += record_nbytes;
+      if (!tier_->read_ahead(shared_from_this(), tier_base_ + e, int(e))) {
+        continue;
       }
-      continue;
+    } else {
+      ::posix_fadvise(
+          fd_, data_offset_ + int64_t(e) * stride_, record_nbytes,
+          POSIX_FADV_WILLNEED);
     }
     prefetched_[e] = 1;
     counters.prefetched += 1;
     counters.prefetch_bytes += record_nbytes;
-    ::posix_fadvise(
-        fd_, data_offset_ + int64_t(e) * stride_, record_nbytes,
-        POSIX_FADV_WILLNEED);
+    if (recording_) {
+      hinted_.push_back(e);
+    }
   }
 }
 
@@ -279,19 +294,59 @@ void ExpertCache::drop(int expert) {
   }
 }
 
+void ExpertCache::resolve_call(
+    const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
+    int64_t call, const UseRecord& use) {
+  CallRecord record{call};
+  CallRecord* rec = recording_ && call >= 0 ? &record : nullptr;
+  if (tier_) {
+    resolve_through_tier(experts, n, tokens, out, use, rec);
+  } else {
+    resolve(experts, n, tokens, out, [&](int e, int s) {
+      staged(e, [&](const uint8_t* r) { use(r, -1, s); });
+      if (rec) {
+        rec->bytes_read += record_nbytes;
+      }
+    }, rec);
+  }
+  if (!rec) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(records_mutex_);
+  if (!records_.empty() && records_.back().call == call) { // a grouped call
+    auto& last = records_.back();
+    last.hits += record.hits;
+    last.misses += record.misses;
+    last.bytes_read += record.bytes_read;
+    last.prefetched.insert(last.prefetched.end(), record.prefetched.begin(),
+                           record.prefetched.end());
+  } else {
+    records_.push_back(std::move(record));
+  }
+}
+
+std::vector<CallRecord> ExpertCache::take_records() {
+  std::lock_guard<std::mutex> lock(records_mutex_);
+  return std::exchange(records_, {});
+}
+
 void ExpertCache::resolve_through_tier(
     const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
-    const std::function<void(const uint8_t*, int64_t, int)>& use) {
+    const UseRecord& use, CallRecord* rec) {
   tier_->begin_call();
   std::vector<std::pair<int, int>> misses;
   resolve(experts, n, tokens, out,
-          [&](int e, int s) { misses.push_back({e, s}); });
+          [&](int e, int s) { misses.push_back({e, s}); }, rec);
   std::vector<int64_t> host(misses.size());
   std::string failure;
   for (size_t i = 0; i < misses.size(); i++) {
     try { // queued first, so the readers work on all of them at once
+      bool read = false;
       host[i] = tier_->request(shared_from_this(), tier_base_ + misses[i].first,
-                               misses[i].first);
+                               misses[i].first, read);
+      if (rec && read) {
+        rec->bytes_read += record_nbytes;
+      }
     } catch (const std::exception& e) {
       host[i] = -1;
       failure = failure.empty() ? e.what() : failure;
@@ -343,7 +398,8 @@ void ExpertCache::resolve(
     int64_t n,
     int tokens,
     uint32_t* out,
-    const std::function<void(int, int)>& write) {
+    const std::function<void(int, int)>& write,
+    CallRecord* rec) {
   std::vector<char> keep(num_experts, 0);
   std::vector<int> unique;
   for (int64_t i = 0; i < n; i++) {
@@ -359,17 +415,26 @@ void ExpertCache::resolve(
   if (int(unique.size()) > capacity) {
     throw std::runtime_error("more routed experts than slots in one call");
   }
+  if (rec) {
+    rec->prefetched = std::exchange(hinted_, {});
+  }
   for (int e : unique) {
     if (prefetched_[e]) {
       counters.prefetched_used += 1;
     }
     if (slot_of_[e] >= 0) {
       counters.hits += 1;
+      if (rec) {
+        rec->hits += 1;
+      }
       prefetched_[e] = 0;
       continue;
     }
     int s = victim(keep);
     counters.misses += 1;
+    if (rec) {
+      rec->misses += 1;
+    }
     if (prefetched_[e]) {
       counters.misses_prefetched += 1;
       prefetched_[e] = 0;
@@ -390,29 +455,19 @@ void ExpertCache::resolve(
   }
 }
 
-void ExpertCache::load(const std::vector<int>& experts, int tokens) {
+void ExpertCache::load(const std::vector<int>& experts, int tokens,
+                       int64_t call) {
   std::vector<uint32_t> ids(experts.begin(), experts.end());
   std::vector<uint32_t> out(ids.size());
-  if (tier_) { // the stream has run every earlier call: their records may go
-    resolve_through_tier(ids.data(), ids.size(), tokens, out.data(),
-                         [&](const uint8_t* record, int64_t, int s) {
-                           if (on_gpu) {
-                             gpu_load_copy(*this, record, s);
-                           } else {
-                             fill_host(record, s);
-                           }
-                         });
-    return;
-  }
-  resolve(ids.data(), ids.size(), tokens, out.data(), [&](int e, int s) {
-    staged(e, [&](const uint8_t* record) {
-      if (on_gpu) {
-        gpu_load_copy(*this, record, s);
-      } else {
-        fill_host(record, s);
-      }
-    });
-  });
+  // The stream has run every earlier call: a tier's records they used may go.
+  resolve_call(ids.data(), ids.size(), tokens, out.data(), call,
+               [&](const uint8_t* record, int64_t, int s) {
+                 if (on_gpu) {
+                   gpu_load_copy(*this, record, s);
+                 } else {
+                   fill_host(record, s);
+                 }
+               });
 }
 
 std::vector<int> ExpertCache::table() const {
@@ -439,22 +494,14 @@ void ExpertFetch::eval_cpu(
   if (predicted_) {
     predicted = inputs[1];
   }
-  enc.dispatch([cache = cache_, inds, predicted, out]() mutable {
+  enc.dispatch([cache = cache_, inds, predicted, out, call = call_]() mutable {
     int64_t n = inds.size();
     int tokens = int(n / std::max<int64_t>(1, inds.shape(-1)));
-    auto* ids = inds.data<uint32_t>();
-    auto* slots = out.data<uint32_t>();
     auto& c = *cache;
     c.counters.calls += 1;
-    if (c.tier()) {
-      c.resolve_through_tier(
-          ids, n, tokens, slots,
-          [&](const uint8_t* record, int64_t, int s) { c.fill_host(record, s); });
-    } else {
-      c.resolve(ids, n, tokens, slots, [&](int e, int s) {
-        c.staged(e, [&](const uint8_t* record) { c.fill_host(record, s); });
-      });
-    }
+    c.resolve_call(
+        inds.data<uint32_t>(), n, tokens, out.data<uint32_t>(), call,
+        [&](const uint8_t* record, int64_t, int s) { c.fill_host(record, s); });
     if (predicted && c.next()) {
       c.next()->hint(predicted->data<uint32_t>(), predicted->size());
     }
@@ -464,13 +511,14 @@ void ExpertFetch::eval_cpu(
 void ExpertFetch::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  gpu_fetch(*cache_, inputs, outputs[0], predicted_, stream());
+  gpu_fetch(*cache_, inputs, outputs[0], predicted_, call_, stream());
 }
 
 mx::array fetch(
     std::shared_ptr<ExpertCache> cache,
     const mx::array& inds,
-    const std::optional<mx::array>& predicted) {
+    const std::optional<mx::array>& predicted,
+    int64_t call) {
   auto s = mx::default_stream(mx::default_device());
   std::vector<mx::array> inputs = {
       mx::contiguous(mx::astype(inds, mx::uint32, s), false, s)};
@@ -482,7 +530,8 @@ mx::array fetch(
   return mx::array(
       shape,
       mx::uint32,
-      std::make_shared<ExpertFetch>(s, std::move(cache), bool(predicted)),
+      std::make_shared<ExpertFetch>(
+          s, std::move(cache), bool(predicted), call),
       std::move(inputs));
 }
 

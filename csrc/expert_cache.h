@@ -8,25 +8,24 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
+#include "cast.h"
 #include "host_tier.h"
 
 namespace mx = mlx::core;
 
 namespace moestream {
 
-// How a stored segment becomes slot memory.
-enum class Widen : int { None = 0, Bf16ToF32 = 1, F16ToF32 = 2 };
-
 struct Segment {
   int64_t offset; // inside the record
   int64_t nbytes; // stored bytes of one expert
-  Widen widen;
+  Cast cast; // how the stored floats become the slot's (cast.h)
 };
 
 struct Counters {
@@ -36,7 +35,26 @@ struct Counters {
   std::atomic<int64_t> misses_prefetched{0}, prefetch_bytes{0};
 };
 
+// One call's counts, kept in call order when recording (RuntimeStats.events).
+struct CallRecord {
+  int64_t call; // the caller's id of the call (its event's step)
+  int64_t hits{0}, misses{0}, bytes_read{0}; // distinct experts; blob bytes
+  std::vector<uint32_t> prefetched; // read ahead for it since the last call
+};
+
+// Where a call's missed record is: (record, host tier slot or -1, slot).
+using UseRecord = std::function<void(const uint8_t*, int64_t, int)>;
+
 uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc = 0);
+
+// An expert record that cannot be used: Python's ExpertReadError. Its words
+// are remembered, since MLX's stream rethrows errors as plain runtime_errors.
+class ReadError : public std::runtime_error {
+ public:
+  explicit ReadError(const std::string& what);
+};
+// Whether `what` is the message of a ReadError of this process.
+bool is_read_error(const char* what);
 
 struct GpuState; // CUDA side: pinned buffers and kernels (cuda_fetch.cu)
 
@@ -60,7 +78,8 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
       bool verify,
       bool lru,
       double decay,
-      int max_calls_pairs);
+      int max_calls_pairs,
+      bool record_calls);
   ~ExpertCache();
 
   // The slot arrays, one per segment, `[capacity (+ spare), ...]`, evaluated.
@@ -82,16 +101,15 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
                  : 0;
   }
 
-  // Slot of every routed pair in `experts` (unique count <= capacity),
-  // reading the misses; `write` copies a record into a slot.
-  void resolve(const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
-               const std::function<void(int, int)>& write);
-  // `resolve` as a new call of the host tier: the misses' records are read
-  // through the tier and handed to `use(record, host_slot, slot)`. If a read
-  // fails, every miss of the call leaves its slot and the error is rethrown.
-  void resolve_through_tier(
-      const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
-      const std::function<void(const uint8_t*, int64_t, int)>& use);
+  // One call: the slot of every routed pair in `experts` (unique count <=
+  // capacity), each miss's record read (through the host tier if attached,
+  // else into the staging record) and handed to `use`. When recording, its
+  // counts are kept under `call` (a negative id keeps none); the loads of one
+  // grouped call share its id and add up.
+  void resolve_call(const uint32_t* experts, int64_t n, int tokens,
+                    uint32_t* out, int64_t call, const UseRecord& use);
+  // The records of the calls resolved since the last take, in call order.
+  std::vector<CallRecord> take_records();
   // Read `expert` into one host staging record shared by every layer (reads
   // run one at a time: the stream's, or the host's after a synchronize),
   // then hand it to `use`.
@@ -100,14 +118,15 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void read_record(int expert, uint8_t* dst);
   // Copy a read record into slot memory on the host (CPU slots).
   void fill_host(const uint8_t* record, int slot);
-  // A 16-bit float segment widened to float32 (`seg.nbytes / 2` values).
-  static void widen_host(const uint8_t* src, const Segment& seg, float* out);
+  // A stored float segment in the slot's float dtype, at `out` (cast.h).
+  static void cast_host(const uint8_t* src, const Segment& seg, uint8_t* out);
   // Read ahead the predicted experts that are not resident: into the host
   // tier, else as kernel readahead.
   void hint(const uint32_t* experts, int64_t n);
 
-  // Make `experts` resident now (host-blocking; the caller has synchronized).
-  void load(const std::vector<int>& experts, int tokens);
+  // Make `experts` resident now (host-blocking; the caller has synchronized),
+  // as (part of) call `call`.
+  void load(const std::vector<int>& experts, int tokens, int64_t call);
   std::vector<int> table() const;
 
   const std::string path_;
@@ -125,6 +144,14 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   std::shared_ptr<GpuState> gpu; // made by the first GPU fetch
 
  private:
+  void resolve(const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
+               const std::function<void(int, int)>& write, CallRecord* rec);
+  // `resolve` as a new call of the host tier: the misses' records are read
+  // through the tier and handed to `use`. If a read fails, every miss of the
+  // call leaves its slot and the error is rethrown.
+  void resolve_through_tier(const uint32_t* experts, int64_t n, int tokens,
+                            uint32_t* out, const UseRecord& use,
+                            CallRecord* rec);
   int victim(const std::vector<char>& keep);
   void drop(int expert);
   void used(const std::vector<int>& experts, int tokens);
@@ -141,6 +168,10 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   std::vector<int> expert_in_; // slot -> expert, -1 when free
   std::vector<int> free_;
   std::vector<char> prefetched_; // hinted since its last call
+  const bool recording_;
+  std::vector<uint32_t> hinted_; // read ahead since the last call (recording)
+  std::mutex records_mutex_;
+  std::vector<CallRecord> records_;
   std::shared_ptr<ExpertCache> next_;
   std::shared_ptr<HostTier> tier_;
   int64_t tier_base_{0};
@@ -154,8 +185,12 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
 // routed expert ids -> slot ids, loading misses inside the stream.
 class ExpertFetch : public mx::Primitive {
  public:
-  ExpertFetch(mx::Stream s, std::shared_ptr<ExpertCache> cache, bool predicted)
-      : mx::Primitive(s), cache_(std::move(cache)), predicted_(predicted) {}
+  ExpertFetch(mx::Stream s, std::shared_ptr<ExpertCache> cache, bool predicted,
+              int64_t call)
+      : mx::Primitive(s),
+        cache_(std::move(cache)),
+        predicted_(predicted),
+        call_(call) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs,
@@ -170,16 +205,18 @@ class ExpertFetch : public mx::Primitive {
  private:
   std::shared_ptr<ExpertCache> cache_;
   bool predicted_;
+  int64_t call_;
 };
 
 // `inds` routed expert ids (any shape, uint32); `predicted` the next layer's
-// likely experts or none. Returns slot ids of the same shape.
+// likely experts or none; `call` the id its counts are recorded under.
+// Returns slot ids of the same shape.
 mx::array fetch(std::shared_ptr<ExpertCache> cache, const mx::array& inds,
-                const std::optional<mx::array>& predicted);
+                const std::optional<mx::array>& predicted, int64_t call);
 
 // Implemented in cuda_fetch.cu when built with CUDA, else throw.
 void gpu_fetch(ExpertCache& cache, const std::vector<mx::array>& inputs,
-               mx::array& out, bool predicted, mx::Stream s);
+               mx::array& out, bool predicted, int64_t call, mx::Stream s);
 void gpu_load_copy(ExpertCache& cache, const uint8_t* record, int slot);
 bool built_with_cuda();
 

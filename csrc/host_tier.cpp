@@ -117,7 +117,7 @@ void HostTier::enqueue(std::shared_ptr<ExpertCache> cache, int expert,
 }
 
 int64_t HostTier::request(const std::shared_ptr<ExpertCache>& cache,
-                          int64_t key, int expert) {
+                          int64_t key, int expert, bool& read) {
   std::unique_lock<std::mutex> lock(mutex_);
   int64_t s = slot_of_[key];
   if (s >= 0 && state_[s] == Failed) { // a failed read ahead: read again
@@ -127,6 +127,7 @@ int64_t HostTier::request(const std::shared_ptr<ExpertCache>& cache,
     free_.push_back(s);
     s = -1;
   }
+  read = s < 0;
   if (s >= 0) {
     (state_[s] == Ready ? counters.hits : counters.late) += 1;
     stamp_[s] = ++clock_;

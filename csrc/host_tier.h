@@ -39,10 +39,10 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   // A new call of the stream: the records the previous one used may go now
   // (the stream ran its copies from them before this call began).
   void begin_call();
-  // Host slot of a routed record, read now if absent; held until the next
-  // call begins.
+  // Host slot of a routed record, read now if absent (then `read` is set);
+  // held until the next call begins.
   int64_t request(const std::shared_ptr<ExpertCache>& cache, int64_t key,
-                  int expert);
+                  int expert, bool& read);
   // Read a predicted record if it is absent and there is room; true if queued.
   bool read_ahead(const std::shared_ptr<ExpertCache>& cache, int64_t key,
                   int expert);

@@ -14,7 +14,7 @@ namespace {
 } // namespace
 
 void gpu_fetch(ExpertCache&, const std::vector<mx::array>&, mx::array&, bool,
-               mx::Stream) {
+               int64_t, mx::Stream) {
   no_cuda();
 }
 

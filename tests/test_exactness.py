@@ -1,4 +1,6 @@
-"""The streaming model equals mlx-lm's fully resident model bit for bit."""
+"""The streaming model equals mlx-lm's fully resident model bit for bit, with
+either engine: native (the default where it is built) and python (the
+reference path)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,16 @@ import pytest
 from helpers import PROMPT, generated, logits_stepwise
 
 import moestream
+from moestream.runtime import native
 
 # top_k, in between, all experts of the tiny model (8, top-2)
 CACHE_SIZES = [2, 5, 8]
+ENGINES = ["python"] + (["native"] if native.available() else [])
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request) -> str:
+    return request.param
 
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
@@ -22,10 +31,14 @@ CACHE_SIZES = [2, 5, 8]
     ],
 )
 def test_prefill_and_decode_logits_bit_identical(
-    converted, reference, cache_experts, policy, whole
+    converted, reference, cache_experts, policy, whole, engine
 ):
     model, _ = moestream.load(
-        converted, cache_experts=cache_experts, policy=policy, whole_calls=whole
+        converted,
+        cache_experts=cache_experts,
+        policy=policy,
+        whole_calls=whole,
+        engine=engine,
     )
     ours = logits_stepwise(model, PROMPT, steps=12)
     theirs = logits_stepwise(reference, PROMPT, steps=12)
@@ -42,9 +55,11 @@ def test_prefill_and_decode_logits_bit_identical(
     assert s.grouped_calls > 0  # 48 prompt tokens route to more than 5 experts
 
 
-def test_whole_call_groups_are_exact(converted, reference):
+def test_whole_call_groups_are_exact(converted, reference, engine):
     """The GPU's grouped prefill (whole calls + a spare slot), run on the CPU."""
-    model, _ = moestream.load(converted, cache_experts=3, whole_calls=True)
+    model, _ = moestream.load(
+        converted, cache_experts=3, whole_calls=True, engine=engine
+    )
     ours, theirs = (
         logits_stepwise(model, PROMPT, 4),
         logits_stepwise(reference, PROMPT, 4),
@@ -74,40 +89,40 @@ def test_plan_memory_splits_the_budget(converted, monkeypatch):
         plan_memory(*args, fixed + base.slot_bytes, None)  # top-2 needs 2 slots
 
 
-def test_memory_budget_load_is_exact(converted, reference):
-    model, _ = moestream.load(converted, memory_budget="4G")
+def test_memory_budget_load_is_exact(converted, reference, engine):
+    model, _ = moestream.load(converted, memory_budget="4G", engine=engine)
     plan = moestream.runtime_of(model).plan
     assert plan.capacity == 8 and plan.total <= plan.budget
     assert mx.array_equal(model(PROMPT), reference(PROMPT)).item()
 
 
 @pytest.mark.parametrize("temp", [0.0, 0.9])
-def test_generated_tokens_identical(converted, reference, temp):
+def test_generated_tokens_identical(converted, reference, temp, engine):
     prompt = [5, 17, 33, 2, 90, 41]
-    model, _ = moestream.load(converted, cache_experts=3)
+    model, _ = moestream.load(converted, cache_experts=3, engine=engine)
     ours = generated(model, prompt, temp, seed=11)
     theirs = generated(reference, prompt, temp, seed=11)
     assert ours == theirs
     assert len(set(ours)) > 1
 
 
-def test_float32_conversion_is_exact(hf_dir, tmp_path):
+def test_float32_conversion_is_exact(hf_dir, tmp_path, engine):
     from moestream.converter import convert
     from moestream.formats import Recipe
     from moestream.reference import resident_model
 
     convert(str(hf_dir), tmp_path / "f32", dtype="float32", progress=False)
-    model, _ = moestream.load(tmp_path / "f32", cache_experts=2)
+    model, _ = moestream.load(tmp_path / "f32", cache_experts=2, engine=engine)
     ref = resident_model(hf_dir, Recipe(), dtype="float32")
     assert mx.array_equal(model(PROMPT), ref(PROMPT)).item()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype):
+def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype, engine):
     """The stored bfloat16 (the GPU default), and float16 (rounded from it)."""
     from moestream.reference import resident_model
 
-    model, _ = moestream.load(converted, cache_experts=3, dtype=dtype)
+    model, _ = moestream.load(converted, cache_experts=3, dtype=dtype, engine=engine)
     ref = resident_model(hf_dir, recipe, compute_dtype=dtype)
     ours, theirs = logits_stepwise(model, PROMPT, 4), logits_stepwise(ref, PROMPT, 4)
     for a, b in zip(ours, theirs, strict=True):
@@ -123,7 +138,7 @@ def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype):
         {"torch_dtype": "float32", "shards": 1},
     ],
 )
-def test_variants_exact(tmp_path, overrides):
+def test_variants_exact(tmp_path, overrides, engine):
     """Tied embeddings, no dense layers, float16 sources, other expert counts."""
     from builders.synthetic import tiny_qwen3_moe
 
@@ -139,17 +154,17 @@ def test_variants_exact(tmp_path, overrides):
     )
     convert(str(src), tmp_path / "out", bits="down_proj=8", progress=False)
     ref = resident_model(src, Recipe.parse("down_proj=8"))
-    model, _ = moestream.load(tmp_path / "out", cache_experts=3)
+    model, _ = moestream.load(tmp_path / "out", cache_experts=3, engine=engine)
     for a, b in zip(
         logits_stepwise(model, PROMPT, 3), logits_stepwise(ref, PROMPT, 3), strict=True
     ):
         assert mx.array_equal(a, b).item()
 
 
-def test_mlx_lm_generate_accepts_the_model(converted, reference):
+def test_mlx_lm_generate_accepts_the_model(converted, reference, engine):
     from mlx_lm import generate
 
-    model, tokenizer = moestream.load(converted, cache_experts=2)
+    model, tokenizer = moestream.load(converted, cache_experts=2, engine=engine)
     ours = generate(model, tokenizer, "def add(a, b):", max_tokens=10)
     assert ours == generate(reference, tokenizer, "def add(a, b):", max_tokens=10)
 
@@ -161,7 +176,7 @@ def test_resident_from_converted_equals_source_reference(converted, reference):
     assert mx.array_equal(resident(PROMPT), reference(PROMPT)).item()
 
 
-def test_trained_demo_model_exact(tmp_path):
+def test_trained_demo_model_exact(tmp_path, engine):
     """The bundled trained model (real routing, real tokenizer), 4 of 16 resident."""
     from pathlib import Path
 
@@ -171,10 +186,12 @@ def test_trained_demo_model_exact(tmp_path):
 
     src = Path(__file__).parent.parent / "examples" / "stdlib-moe"
     convert(str(src), tmp_path / "demo", progress=False)
-    model, tokenizer = moestream.load(tmp_path / "demo", cache_experts=4)
+    model, tokenizer = moestream.load(tmp_path / "demo", cache_experts=4, engine=engine)
     ref = resident_model(src, Recipe())
     prompt = mx.array(tokenizer.encode("import os\n\ndef walk(top):\n"))
     ours = logits_stepwise(model, prompt[None], 24)
     theirs = logits_stepwise(ref, prompt[None], 24)
     assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
-    assert 0 < moestream.stats(model).hit_rate < 1
+    s = moestream.stats(model)
+    assert 0 < s.hit_rate < 1
+    assert (s.prefetched_used > 0) == (engine == "native")  # trained routing

@@ -95,9 +95,12 @@ def test_mlx_lm_private_get_classes_is_as_expected():
         assert callable(args_class.from_dict), family
 
 
+@pytest.mark.parametrize("engine", ["python"] + (["native"] * native.available()))
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
-def test_logits_bit_identical(case: Case, cache_experts: int):
-    model, _ = moestream.load(case.out, cache_experts=cache_experts, dtype=F32)
+def test_logits_bit_identical(case: Case, cache_experts: int, engine: str):
+    model, _ = moestream.load(
+        case.out, cache_experts=cache_experts, dtype=F32, engine=engine
+    )
     ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
     for step, (a, b) in enumerate(zip(ours, case.logits, strict=True)):
         assert mx.array_equal(a, b).item(), f"{case.family}: step {step} differs"

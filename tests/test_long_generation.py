@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 import moestream
+from moestream.runtime import native
 from moestream.runtime.switch import StreamingSwitchGLU
 
 KV_WINDOW = 64  # a rotating KV cache: the KV part itself cannot grow
@@ -45,8 +46,10 @@ def sample(model) -> dict:
     }
 
 
-def long_run(converted, reference, tokens: int, every: int) -> list[dict]:
-    model, _ = moestream.load(converted, cache_experts=3)
+def long_run(
+    converted, reference, tokens: int, every: int, engine: str | None = None
+) -> list[dict]:
+    model, _ = moestream.load(converted, cache_experts=3, engine=engine)
     prompt = mx.array([5, 17, 33, 2, 90, 41])
 
     def steps(m):
@@ -81,8 +84,9 @@ def assert_flat(samples: list[dict]) -> None:
         assert s["rss"] - first["rss"] <= 4 << 20, ("rss", samples)
 
 
-def test_generation_memory_flat_short(converted, reference) -> None:
-    samples = long_run(converted, reference, tokens=350, every=50)
+@pytest.mark.parametrize("engine", ["python"] + (["native"] * native.available()))
+def test_generation_memory_flat_short(converted, reference, engine) -> None:
+    samples = long_run(converted, reference, tokens=350, every=50, engine=engine)
     assert len(samples) == 5
     assert_flat(samples)
 

@@ -2,8 +2,8 @@
 the pool is not corrupted, and once the blob is back, output is exact again.
 
 Written against the public API only (moestream.load, model calls, mlx_lm), so
-it holds for either engine behind it: the native engine's read errors surface
-from MLX's evaluation as a RuntimeError with the same words.
+it holds for either engine behind it: both raise ExpertReadError (an OSError)
+with the same words, the native engine's from inside MLX's evaluation too.
 """
 
 from __future__ import annotations
@@ -57,10 +57,6 @@ def load(path: Path, engine: str, cache_experts: int):
     return moestream.load(path, cache_experts=cache_experts, **options)
 
 
-def read_error(engine: str) -> type[Exception]:
-    return ExpertReadError if engine == "python" else RuntimeError
-
-
 def forward(model, prompt: mx.array) -> mx.array:
     """A fresh KV cache per call: a failed call's cache is never reused."""
     out = model(prompt, cache=make_prompt_cache(model))
@@ -81,21 +77,21 @@ def test_truncated_under_running_process(copy, reference, engine, keep: int) -> 
     model, _ = load(copy, engine, 2)
     forward(model, PROMPTS[0])  # warm: some experts resident, the rest evicted
     os.truncate(blob, layer.data_offset + keep)  # same inode: the open fd sees it
-    with pytest.raises(read_error(engine)) as e:
+    with pytest.raises(ExpertReadError) as e:
         for p in PROMPTS:
             forward(model, p)
     message = str(e.value)
     assert str(blob) in message and f"of layer {layer.layer}" in message
     assert "Cannot read expert" in message and "\n" not in message
-    if engine == "python":
-        assert isinstance(e.value, OSError)  # the CLIs print it as one line
+    assert isinstance(e.value, OSError)  # the CLIs print it as one line
     with open(blob, "r+b") as f:  # restored in place
         f.write(original)
     assert_exact(model, reference)  # no slot kept the failed read's bytes
 
 
 def test_io_error_under_running_process(copy, reference, monkeypatch) -> None:
-    model, _ = moestream.load(copy, cache_experts=2)
+    """The python engine reads with os.preadv: a disk error on one read."""
+    model, _ = moestream.load(copy, cache_experts=2, engine="python")
     forward(model, PROMPTS[0])
     real, calls = os.preadv, []
 
@@ -126,7 +122,7 @@ def test_corrupt_record_fails_every_time_then_recovers(copy, reference, engine) 
         data[layer.data_offset + e * layer.stride + 7] ^= 0x10
     blob.write_bytes(bytes(data))  # same inode
     for _ in range(2):
-        with pytest.raises(read_error(engine), match=r"of layer 0 .* fails its"):
+        with pytest.raises(ExpertReadError, match=r"of layer 0 .* fails its"):
             forward(model, PROMPTS[0])
     blob.write_bytes(original)
     assert_exact(model, reference)
@@ -145,7 +141,7 @@ def test_generate_surfaces_the_error(copy, reference, engine) -> None:
     layer = load_manifest(copy).layers[0]
     model, tokenizer = load(copy, engine, 2)
     os.truncate(copy / layer.file, layer.data_offset)
-    with pytest.raises(read_error(engine), match="layer 0"):
+    with pytest.raises(ExpertReadError, match="layer 0"):
         generate(model, tokenizer, "def add(a, b):", max_tokens=4)
 
 

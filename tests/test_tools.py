@@ -234,10 +234,13 @@ def test_verbose_prints_as_mlx_lm(converted: Path) -> None:
 # ------------------------------------------------------------------ traces, plots
 
 
-@pytest.fixture(scope="module")
-def traced(converted: Path, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(
+    scope="module", params=["python"] + (["native"] if native.available() else [])
+)
+def traced(converted: Path, tmp_path_factory: pytest.TempPathFactory, request):
     path = tmp_path_factory.mktemp("trace") / "run.jsonl"
-    out = run_json(converted, "--cache-experts", 3, "--trace", path)
+    engine = ["--engine", request.param]
+    out = run_json(converted, "--cache-experts", 3, *engine, "--trace", path)
     return path, out
 
 
@@ -256,6 +259,7 @@ def test_trace_holds_every_layer_call(traced) -> None:
         assert len(e["experts"]) == e["tokens"] * trace.meta["top_k"]
         assert min(e["experts"]) >= 0 and max(e["experts"]) < 8
         assert e["hits"] + e["misses"] == len(set(e["experts"]))
+    assert sum(len(e["prefetched"]) for e in events) == s["prefetched"]
 
 
 def test_plot_draws_a_trace(traced, tmp_path: Path) -> None:

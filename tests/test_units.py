@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -101,7 +102,7 @@ def test_recipe_rejects(bits: str, message: str) -> None:
         ("policy", "mru", "Unknown cache policy 'mru'"),
         ("policy", "lfuda", "Unknown cache policy 'lfuda'"),
         ("context", 0, "context must be in"),
-        ("prefetch", True, "python engine does not prefetch"),
+        ("prefetch", True, "python engine does not prefetch"),  # engine="python"
         ("lrfu_decay", 1.01, "lrfu_decay must be in"),
         ("prefetch_extra", -1, "prefetch_extra must be in"),
     ],
@@ -109,8 +110,9 @@ def test_recipe_rejects(bits: str, message: str) -> None:
 def test_runtime_config_refuses_bad_values(field: str, value, message: str) -> None:
     from moestream.runtime import RuntimeConfig
 
+    engine = {} if field == "engine" else {"engine": "python"}
     with pytest.raises(ValueError, match=message):
-        RuntimeConfig(**{field: value})
+        RuntimeConfig(**{field: value, **engine})
 
 
 def test_lrfu_decay_reaches_the_policy() -> None:
@@ -124,3 +126,21 @@ def test_lrfu_decay_reaches_the_policy() -> None:
     for step in steps:
         pool.assign(np.array(step))
     assert pool.resident(0)
+
+
+def test_engine_defaults_to_native_wherever_it_runs(monkeypatch) -> None:
+    """engine=None: native where the extension is built and can run on the
+    current device (a CPU; a GPU only if built with CUDA), else python; and
+    prefetch follows the engine."""
+    from moestream.runtime import RuntimeConfig, native
+
+    on_cpu = mx.default_device() == mx.cpu
+    built = native.cuda_available() if not on_cpu else native.available()
+    want = "native" if built else "python"
+    assert RuntimeConfig().engine_used == want
+    assert RuntimeConfig().prefetches == (want == "native")
+    assert RuntimeConfig(engine="python").engine_used == "python"
+    assert not RuntimeConfig(engine="python").prefetches
+    assert not RuntimeConfig(engine="native", prefetch=False).prefetches
+    monkeypatch.setattr(native, "_native", None)  # not built (macOS)
+    assert RuntimeConfig().engine_used == "python"

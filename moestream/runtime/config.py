@@ -38,10 +38,10 @@ class RuntimeConfig:
         trained routing, see README) or "lru" (the baseline replays compare to).
     prefetch: the native engine predicts the next layer's experts with its
         router applied to this layer's input and reads the missing ones ahead
-        (into the host tier, else as kernel readahead). None: on there, unless
-        the host tier holds every record (read at load, so nothing is left to
-        read ahead). The python engine measured 2-6 % slower with it, warm
-        and cold (README), and has none.
+        (into the host tier, else as kernel readahead). None: on with the
+        native engine, unless the host tier holds every record (read at load,
+        so nothing is left to read ahead). The python engine measured 2-6 %
+        slower with it, warm and cold (README), and has none.
     prefetch_extra: predict this many experts beyond the router's top-k: more
         recall for some wasted reads.
     whole_calls: a prefill that routes to more experts than slots runs each
@@ -51,12 +51,11 @@ class RuntimeConfig:
         kernels choose their algorithm by the rows of a call.
     record_trace: keep one event per MoE layer call in the stats (benchmarks).
     lrfu_decay: the `lrfu` policy's decay of every use count per token.
-    engine: "python" (the reference path; one host sync per MoE layer) or
-        "native" (slots resolved and misses read inside MLX's stream by the
-        compiled extension, CPU and CUDA; no sync per layer), by default native
-        on a GPU where the extension was built with CUDA, else python (macOS
-        compiles nothing; on a CPU native lacks per-call trace counters and
-        float16 slots: README).
+    engine: "native" (slots resolved and misses read inside MLX's stream by the
+        compiled extension, CPU and CUDA; no host sync per MoE layer), the
+        default wherever it is built and can run (a CPU; a GPU if built with
+        CUDA), or "python" (the bit-exact reference path, one host sync per
+        MoE layer; the default elsewhere: macOS compiles nothing).
     host_budget: bytes (or "32G") of host memory for the native engine's
         host tier of expert records, between the blob and the slots; outside
         `memory_budget`. Its reader threads read a call's misses in parallel,
@@ -140,7 +139,8 @@ class RuntimeConfig:
         from . import native  # imports the extension, which needs mlx.core first
 
         gpu = mx.default_device() != mx.cpu
-        return "native" if gpu and native.cuda_available() else "python"
+        runs = native.cuda_available() if gpu else native.available()
+        return "native" if runs else "python"
 
     @property
     def prefetches(self) -> bool:

@@ -1,10 +1,11 @@
 """The native engine: slot lookup and expert reads inside MLX's stream.
 
-`RuntimeConfig.engine="native"` hands each streaming layer an `ExpertCache`
-(csrc/, built by `pip install`) whose `fetch` primitive turns routed expert
-ids into slot ids while MLX evaluates the graph: misses are read on the
-stream (CPU) or by a host function in the CUDA stream, so a decode step never
-returns to Python between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
+`RuntimeConfig.engine="native"` (the default wherever the extension is built
+and can run) hands each streaming layer an `ExpertCache` (csrc/, built by
+`pip install`) whose `fetch` primitive turns routed expert ids into slot ids
+while MLX evaluates the graph: misses are read on the stream (CPU) or by a
+host function in the CUDA stream, so a decode step never returns to Python
+between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
 holds records in host memory between the blob and the slots: its reader
 threads read a call's misses in parallel and the next layer's predicted
 experts ahead; on a GPU it is pinned memory that a copy kernel reads from.
@@ -18,17 +19,25 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..formats import ExpertLayer
+from .store import ExpertReadError
 
 try:  # mlx.core first: the extension links against the libmlx it loaded
     from .. import _native
 except ImportError as e:  # not built (macOS, or an install without a compiler)
     _native = None
     _IMPORT_ERROR = str(e)
+else:  # its read errors raise ExpertReadError, from mx.eval and its kin too
+    _native.set_read_error_class(ExpertReadError)
 
-# How a stored float segment becomes its slot dtype (the extension's Widen).
-WIDEN = {
+# How a stored float segment becomes its slot dtype: the extension's Cast
+# (csrc/cast.h), bit for bit MLX's astype.
+CASTS = {
     ("bfloat16", mx.float32): 1,
     ("float16", mx.float32): 2,
+    ("bfloat16", mx.float16): 3,
+    ("float16", mx.bfloat16): 4,
+    ("float32", mx.float16): 5,
+    ("float32", mx.bfloat16): 6,
 }
 
 
@@ -66,15 +75,15 @@ def require() -> None:
         )
 
 
-def _widen(stored: str, slot: mx.Dtype) -> int:
+def _cast(stored: str, slot: mx.Dtype) -> int:
     if stored == str(slot).removeprefix("mlx.core."):
         return 0
-    if (stored, slot) not in WIDEN:
+    if (stored, slot) not in CASTS:
         raise NativeEngineError(
             f"The native engine cannot turn {stored} records into {slot} slots; "
             "use engine='python' or the stored dtype."
         )
-    return WIDEN[(stored, slot)]
+    return CASTS[(stored, slot)]
 
 
 def expert_cache(
@@ -88,11 +97,13 @@ def expert_cache(
     decay: float,
     max_pairs: int,
     tier: object | None = None,
+    record_calls: bool = False,
 ) -> object:
-    """The native cache of one MoE layer over its evaluated slot arrays."""
+    """The native cache of one MoE layer over its evaluated slot arrays;
+    `record_calls` keeps each call's counts (RuntimeStats.events)."""
     require()
     segments = [
-        (seg.offset, seg.nbytes, _widen(seg.dtype, a.dtype))
+        (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
         for seg, a in zip(layer.segments, slots, strict=True)
     ]
     cache = _native.ExpertCache(
@@ -109,6 +120,7 @@ def expert_cache(
         policy=policy,
         decay=decay,
         max_pairs=max_pairs,
+        record_calls=record_calls,
     )
     cache.bind(slots, mx.default_device() != mx.cpu)
     if tier is not None:
@@ -127,6 +139,19 @@ def host_tier(plan: object, readers: int) -> object:
     )
 
 
-def fetch(cache: object, indices: mx.array, predicted: mx.array | None) -> mx.array:
-    """Slot ids for `indices`; the misses are read when MLX evaluates them."""
-    return _native.fetch(cache, indices, predicted)
+def check(cache: object) -> None:
+    """Raise the error a call left that could not raise where it ran (a CUDA
+    stream's host function): ExpertReadError for a record's, else
+    NativeEngineError."""
+    error = cache.take_error()  # type: ignore[attr-defined]
+    if error:
+        cls = ExpertReadError if _native.is_read_error(error) else NativeEngineError
+        raise cls(error)
+
+
+def fetch(
+    cache: object, indices: mx.array, predicted: mx.array | None, call: int = -1
+) -> mx.array:
+    """Slot ids for `indices`; the misses are read when MLX evaluates them, and
+    the call's counts recorded under `call` (RuntimeStats.next_step)."""
+    return _native.fetch(cache, indices, predicted, call)

@@ -37,8 +37,12 @@ class RuntimeStats:
     recording: bool = False
     _events: list[dict] = field(default_factory=list, repr=False)
     _steps: dict[int, int] = field(default_factory=dict, repr=False)
+    # (layer, step) -> a native call's event, until its cache's record fills it.
+    _pending: dict[tuple[int, int], dict] = field(default_factory=dict, repr=False)
     # Native expert caches and host tier, whose counters `collect` folds in.
     native: list = field(default_factory=list, repr=False)
+    # Layer -> its native expert cache, whose call records fill `events`.
+    native_layers: dict[int, object] = field(default_factory=dict, repr=False)
 
     @property
     def hit_rate(self) -> float:
@@ -64,6 +68,11 @@ class RuntimeStats:
         per = self.prefetch_bytes / self.prefetched if self.prefetched else 0
         return int((self.prefetched - self.prefetched_used) * per)
 
+    def next_step(self, layer: int) -> int:
+        """The step `record` gives this layer's next call: the id the native
+        cache records that call's counts under (-1 when not recording)."""
+        return self._steps.get(layer, 0) if self.recording else -1
+
     def record(
         self,
         layer: int,
@@ -76,31 +85,37 @@ class RuntimeStats:
         """One MoE layer call, when recording. `experts` may be an unevaluated
         mx.array, read only when `events` is, so recording adds no host sync.
         `hits` None with `misses` 0: every distinct expert hit (sync-free
-        calls); all three None: counted by the native engine, not per call."""
+        calls); all three None: counted by the layer's native cache, which
+        records them under this call's step (`next_step`)."""
         if not self.recording:
             return
         step = self._steps.get(layer, 0)
         self._steps[layer] = step + 1
-        self._events.append(
-            {
-                "layer": layer,
-                "step": step,  # this layer's call count since the last reset
-                "tokens": experts.size // experts.shape[-1],
-                "experts": experts,
-                "hits": hits,
-                "misses": misses,
-                "prefetched": sorted(prefetched),
-                "bytes_read": bytes_read,
-            }
-        )
+        event = {
+            "layer": layer,
+            "step": step,  # this layer's call count since the last reset
+            "tokens": experts.size // experts.shape[-1],
+            "experts": experts,
+            "hits": hits,
+            "misses": misses,
+            "prefetched": sorted(prefetched),
+            "bytes_read": bytes_read,
+        }
+        self._events.append(event)
+        if hits is None and misses is None and bytes_read is None:
+            self._pending[(layer, step)] = event
 
     @property
     def events(self) -> list[dict]:
         """One dict per MoE layer call since the last reset (empty unless
         `record_trace`): layer, step, tokens, experts (routed, flattened),
         hits and misses (distinct experts), prefetched (experts prefetched for
-        this layer before the call), bytes_read; the native engine's calls
-        leave hits, misses and bytes_read None."""
+        this layer since its previous call), bytes_read (read from the blob
+        for this call's misses; a host tier's reads ahead are not). A native
+        call that never ran (its output not evaluated, or a read failed)
+        keeps hits, misses and bytes_read None."""
+        if self._pending:
+            self._fill_native()
         for e in self._events:
             if not isinstance(e["experts"], list):
                 flat = np.array(e["experts"]).reshape(-1)
@@ -108,6 +123,16 @@ class RuntimeStats:
                 if e["hits"] is None and e["misses"] == 0:
                     e["hits"] = len(np.unique(flat))
         return self._events
+
+    def _fill_native(self) -> None:
+        """Fill the native calls' events from their caches' call records."""
+        mx.synchronize()  # calls still in flight record when they finish
+        for layer, cache in self.native_layers.items():
+            for step, hits, misses, nbytes, prefetched in cache.take_records():
+                e = self._pending.pop((layer, step), None)
+                if e is not None:
+                    e.update(hits=hits, misses=misses, bytes_read=nbytes)
+                    e["prefetched"] = sorted(prefetched)
 
     def routing(self) -> dict[int, np.ndarray]:
         """The recorded trace: per MoE layer, one row of expert ids per token."""
@@ -126,8 +151,12 @@ class RuntimeStats:
 
     def reset(self) -> None:
         self.collect()
+        if self.recording and self.native_layers:
+            mx.synchronize()  # no call in flight records under an old step
+            for cache in self.native_layers.values():
+                cache.take_records()
         for f in fields(self):
-            if f.name not in ("recording", "native"):
+            if f.name not in ("recording", "native", "native_layers"):
                 default = f.default_factory if f.default is MISSING else None
                 setattr(self, f.name, default() if default else f.default)
 

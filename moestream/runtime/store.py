@@ -91,8 +91,8 @@ class SlotFiller:
     """Reads expert records straight into slot arrays: one preadv per expert.
 
     Segments stored in the slot dtype land in the slot's memory directly;
-    float segments stored narrower than the compute dtype are read into a
-    staging buffer and widened exactly (bf16/fp16 -> fp32 are lossless).
+    float segments stored in another float dtype are read into a staging
+    buffer and converted as MLX converts them (`cast_into`).
     """
 
     def __init__(self, store: ExpertStore, layer: ExpertLayer, slots: list[mx.array]):
@@ -103,7 +103,7 @@ class SlotFiller:
         self.order = sorted(range(len(slots)), key=lambda i: layer.segments[i].offset)
 
     def fill(self, expert: int, slot: int) -> None:
-        buffers, widen, pos = [], [], 0
+        buffers, cast, pos = [], [], 0
         for i in self.order:
             seg = self.layer.segments[i]
             if seg.offset > pos:
@@ -112,31 +112,37 @@ class SlotFiller:
                 buffers.append(memoryview(self.views[i][slot]).cast("B"))
             else:
                 buffers.append(self.staging[seg.offset : seg.offset + seg.nbytes])
-                widen.append(i)
+                cast.append(i)
             pos = seg.offset + seg.nbytes
         self.store.readv(self.layer.layer, expert, buffers)
-        for i in widen:
-            self._widen(self.layer.segments[i], self.views[i][slot], self.dtypes[i])
+        for i in cast:
+            self._cast(self.layer.segments[i], self.views[i][slot], self.dtypes[i])
 
-    def _widen(self, seg: Segment, dst: np.ndarray, dtype: mx.Dtype) -> None:
+    def _cast(self, seg: Segment, dst: np.ndarray, dtype: mx.Dtype) -> None:
         raw = np.frombuffer(
             self.staging,
             NUMPY_DTYPES[seg.dtype],
             offset=seg.offset,
             count=seg.nbytes // NUMPY_DTYPES[seg.dtype]().itemsize,
         )
-        raw = raw.reshape(seg.shape)
-        if seg.dtype == "bfloat16" and dtype == mx.float32:
-            np.left_shift(raw.astype(np.uint32), 16, out=dst)
-        elif seg.dtype == "float16" and dtype == mx.float32:
-            dst[...] = raw.astype(np.float32).view(np.uint32)
-        else:  # rare (e.g. fp32 stored, bf16 compute): round exactly as MLX does
-            a = mx.array(raw)
-            if seg.dtype == "bfloat16":
-                a = a.view(mx.bfloat16)
-            a = mx.contiguous(a.astype(dtype))
-            mx.eval(a)
-            dst[...] = writable_view(a)
+        cast_into(raw.reshape(seg.shape), seg.dtype, dtype, dst)
+
+
+def cast_into(raw: np.ndarray, stored: str, dtype: mx.Dtype, out: np.ndarray) -> None:
+    """Stored floats `raw` (bfloat16 as its raw words) into `out`, the raw words
+    of a `dtype` array, bit for bit as MLX's astype converts them."""
+    if stored == "bfloat16" and dtype == mx.float32:  # exact: the high half
+        np.left_shift(raw.astype(np.uint32), 16, out=out)
+    elif stored == "float16" and dtype == mx.float32:
+        out[...] = raw.astype(np.float32).view(np.uint32)
+        np.bitwise_or(out, 0x400000, out=out, where=np.isnan(raw))  # MLX's quiet NaN
+    else:  # rare (e.g. bf16 stored, fp16 compute): round exactly as MLX does
+        a = mx.array(raw)
+        if stored == "bfloat16":
+            a = a.view(mx.bfloat16)
+        a = mx.contiguous(a.astype(dtype))
+        mx.eval(a)
+        out[...] = writable_view(a)
 
 
 def check_layers(

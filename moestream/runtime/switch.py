@@ -39,6 +39,7 @@ class Routing:
     experts: np.ndarray  # (..., k) routed expert ids
     unique: np.ndarray
     counters: tuple[int, int, int]  # hits, misses, bytes_read before the call
+    call: int  # its event's step, the native cache's id for its loads
 
     @property
     def tokens(self) -> int:
@@ -111,8 +112,10 @@ class StreamingSwitchGLU(nn.Module):
                 decay=config.lrfu_decay,
                 max_pairs=cap,
                 tier=tier,
+                record_calls=config.record_trace,
             )
             stats.native.append(self._native)
+            stats.native_layers[layer.layer] = self._native
         else:  # host views of the slots (on a GPU they become managed memory)
             self._filler = SlotFiller(store, layer, slots)
         # The next layer's router applied to our input (native prefetch).
@@ -199,14 +202,15 @@ class StreamingSwitchGLU(nn.Module):
         step an engine implements. "python" reads the routing on the host (one
         sync); "native" resolves it inside MLX's stream."""
         if self._native is not None:
-            self._native_check()
+            native.check(self._native)
+            call = self._stats.next_step(self._layer.layer)
             self._stats.record(self._layer.layer, indices, None, None, [], None)
             if self._last is not None:  # no slot is overwritten under it
                 indices = mx.depends(indices, self._last)
             predicted = self._predict(x) if self._predict is not None else None
-            return native.fetch(self._native, indices, predicted)
+            return native.fetch(self._native, indices, predicted, call)
         r = self._route(indices)
-        lut = self._load(r.unique, r.tokens)
+        lut = self._load(r.unique, r.tokens, r.call)
         self._record(r)
         return mx.array(lut[r.experts])
 
@@ -215,7 +219,7 @@ class StreamingSwitchGLU(nn.Module):
         else slot-sized groups, each run once its experts are read."""
         r = self._route(indices)
         if r.unique.size <= self.capacity:
-            lut = self._load(r.unique, r.tokens)
+            lut = self._load(r.unique, r.tokens, r.call)
             self._record(r)
             return self._issue(self._inner(x, mx.array(lut[r.experts])))
         self._stats.grouped_calls += 1
@@ -233,7 +237,7 @@ class StreamingSwitchGLU(nn.Module):
     def _route(self, indices: mx.array) -> Routing:
         """Read the routing on the host: the one sync of a python call."""
         if self._native is not None:
-            self._native_check()
+            native.check(self._native)
             # Our earlier outputs may not be evaluated yet (a later chunk's
             # routing need not depend on them): evaluate them before the host
             # writes our slots, and wait for what is in flight.
@@ -244,12 +248,10 @@ class StreamingSwitchGLU(nn.Module):
         # them, and nothing pending reads a slot we write.
         self._outstanding.settle()
         s = self._stats
-        return Routing(experts, np.unique(experts), (s.hits, s.misses, s.bytes_read))
-
-    def _native_check(self) -> None:
-        error = self._native.take_error()  # type: ignore[union-attr]
-        if error:
-            raise native.NativeEngineError(error)
+        counters = (s.hits, s.misses, s.bytes_read)
+        return Routing(
+            experts, np.unique(experts), counters, s.next_step(self._layer.layer)
+        )
 
     def _issue(self, y: mx.array) -> mx.array:
         """Hand `y` to MLX and keep it until the next host sync."""
@@ -285,11 +287,12 @@ class StreamingSwitchGLU(nn.Module):
         if self.capacity >= self._layer.num_experts:
             self._load(np.arange(self._layer.num_experts), tokens=0)
 
-    def _load(self, experts: np.ndarray, tokens: int = 1) -> np.ndarray:
-        """Make `experts` (unique, at most `capacity`) resident; return the
+    def _load(self, experts: np.ndarray, tokens: int = 1, call: int = -1) -> np.ndarray:
+        """Make `experts` (unique, at most `capacity`) resident, as (part of)
+        call `call` (the native cache records its counts); return the
         expert -> slot table."""
         if self._native is not None:
-            self._native.load(experts.tolist(), tokens)
+            self._native.load(experts.tolist(), tokens, call)
             table = np.array(self._native.table(), np.uint32)
             if (table < self.capacity).all():
                 self._table = mx.array(table)  # never evicts now
@@ -328,7 +331,7 @@ class StreamingSwitchGLU(nn.Module):
         order = np.argsort(flat, kind="stable")
         parts = []
         for i, group in enumerate(groups):
-            lut = self._load(group, r.tokens if i == 0 else 0)
+            lut = self._load(group, r.tokens if i == 0 else 0, r.call)
             pairs = order[np.isin(flat[order], group)]
             out = self._rows(x, r.experts, pairs, lut)
             mx.eval(out)  # the next group overwrites these slots
@@ -343,7 +346,7 @@ class StreamingSwitchGLU(nn.Module):
         pairs of other groups sent to a spare zero slot and masked out."""
         y = None
         for i, group in enumerate(groups):
-            lut = self._load(group, r.tokens if i == 0 else 0)
+            lut = self._load(group, r.tokens if i == 0 else 0, r.call)
             member = np.isin(r.experts, group)
             slots = np.where(member, lut[r.experts], self._spare)
             out = self._inner(x, mx.array(slots))
