@@ -35,6 +35,18 @@ def same_files(a: Path, b: Path) -> None:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 
+def corrupt_layer(out: Path, layer, flip: int = 0x10, at: int = 7) -> bytes:
+    """Damage one byte of every expert record of manifest layer `layer` in
+    place (same inode); returns the blob's original bytes, to restore it."""
+    blob = out / layer.file
+    original = blob.read_bytes()
+    data = bytearray(original)
+    for e in range(layer.num_experts):
+        data[layer.data_offset + e * layer.stride + at] ^= flip
+    blob.write_bytes(bytes(data))
+    return original
+
+
 def edit_manifest(out: Path, fn) -> None:
     path = out / "manifest.json"
     d = json.loads(path.read_text())

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import corrupt_layer
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
@@ -140,17 +141,12 @@ def test_a_failed_call_does_not_shift_later_events(copy, engine) -> None:
     cache = make_prompt_cache(model)
     decode(model, steps=0, cache=cache)
     layer = load_manifest(copy).layers[0]
-    blob = copy / layer.file
-    original = blob.read_bytes()
-    damaged = bytearray(original)
-    for e in range(layer.num_experts):
-        damaged[layer.data_offset + e * layer.stride + 7] ^= 0x10
-    blob.write_bytes(bytes(damaged))
+    original = corrupt_layer(copy, layer)
     # a decode step that misses in layer 0
     with pytest.raises(ExpertReadError):
         for t in range(1, 40):
             mx.eval(model(mx.array([[t]]), cache=make_prompt_cache(model)))
-    blob.write_bytes(original)
+    (copy / layer.file).write_bytes(original)
     failed = len(moestream.stats(model).events)
     decode(model)
     events = moestream.stats(model).events

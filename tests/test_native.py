@@ -9,7 +9,7 @@ import zlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import PROMPT, generated, logits_stepwise
+from helpers import PROMPT, corrupt_layer, generated, logits_stepwise
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
@@ -159,20 +159,14 @@ def test_full_host_tier_read_error_surfaces_when_routed(copy, reference):
     """A record that fails its checksum while the full tier is read at load
     fails the call that routes to it, every time, until the file is fixed."""
     layers = load_manifest(copy).layers
-    layer = layers[0]
-    blob = copy / layer.file
-    original = blob.read_bytes()
-    data = bytearray(original)
-    for e in range(layer.num_experts):
-        data[layer.data_offset + e * layer.stride + 7] ^= 0x10
-    blob.write_bytes(bytes(data))
+    original = corrupt_layer(copy, layers[0])
     every = sum(x.num_experts for x in layers) * max(x.record_nbytes for x in layers)
     model, _ = moestream.load(copy, cache_experts=3, engine="native", host_budget=every)
     prompt = mx.array([[5, 17, 33, 2]])
     for _ in range(2):
         with pytest.raises(ExpertReadError, match=r"of layer 0 .* fails its checksum"):
             mx.eval(model(prompt, cache=make_prompt_cache(model)))
-    blob.write_bytes(original)
+    (copy / layers[0].file).write_bytes(original)
     ours = model(prompt, cache=make_prompt_cache(model))
     assert mx.array_equal(ours, reference(prompt)).item()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from builders.synthetic import tiny_model
-from helpers import BITS, generated
+from helpers import BITS, corrupt_layer, generated
 from mlx_lm.utils import load_tokenizer
 
 from moestream.converter import convert
@@ -241,11 +241,7 @@ def test_a_rank_that_dies_ends_the_others(tmp_path, converted) -> None:
     stage = stages(converted, 2)[1]
     for layer in load_manifest(other).layers:
         if layer.layer in stage.layers:
-            blob = other / layer.file
-            data = bytearray(blob.read_bytes())
-            for e in range(layer.num_experts):
-                data[layer.data_offset + e * layer.stride] ^= 0xFF
-            blob.write_bytes(bytes(data))
+            corrupt_layer(other, layer, flip=0xFF, at=0)
     r = _run_per_rank(tmp_path, "-p", "x", "-m", "8", "--cache-experts", "2")
     lines = errors(r)
     assert len(lines) == 2, r.stderr  # one line on each rank

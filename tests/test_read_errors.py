@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
+from helpers import corrupt_layer
 from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -114,17 +115,12 @@ def test_io_error_under_running_process(copy, reference, monkeypatch) -> None:
 def test_corrupt_record_fails_every_time_then_recovers(copy, reference, engine) -> None:
     """A checksum failure is not cached as success: it fails again until fixed."""
     layer = load_manifest(copy).layers[0]
-    blob = copy / layer.file
-    original = blob.read_bytes()
     model, _ = load(copy, engine, 4)
-    data = bytearray(original)
-    for e in range(layer.num_experts):  # every expert of layer 0 damaged
-        data[layer.data_offset + e * layer.stride + 7] ^= 0x10
-    blob.write_bytes(bytes(data))  # same inode
+    original = corrupt_layer(copy, layer)  # every expert of layer 0, same inode
     for _ in range(2):
         with pytest.raises(ExpertReadError, match=r"of layer 0 .* fails its"):
             forward(model, PROMPTS[0])
-    blob.write_bytes(original)
+    (copy / layer.file).write_bytes(original)
     assert_exact(model, reference)
 
 
