@@ -147,7 +147,9 @@ NB_MODULE(_native, m) {
             auto& k = c.counters;
             nb::dict d;
             d["hits"] = k.hits.exchange(0);
-            d["misses"] = k.misses.exchange(0);
+            int64_t misses = k.misses.exchange(0);
+            d["misses"] = misses;
+            d["fill_bytes"] = misses * c.record_nbytes; // one record a miss
             d["evictions"] = k.evictions.exchange(0);
             d["bytes_read"] = k.bytes_read.exchange(0);
             d["native_calls"] = k.calls.exchange(0);

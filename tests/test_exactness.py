@@ -51,6 +51,7 @@ def test_prefill_and_decode_logits_bit_identical(
         assert s.sync_free_calls == 12 * 2  # every decode call of both MoE layers
         return
     assert s.misses > 0
+    assert s.fill_bytes == s.bytes_read  # no host tier: every fill read the blob
     assert s.evictions > 0  # the small caches really did evict and reload
     assert s.grouped_calls > 0  # 48 prompt tokens route to more than 5 experts
 

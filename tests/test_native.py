@@ -144,9 +144,11 @@ def test_native_host_tier_bit_identical(converted, reference, records):
     assert s.native_calls > 0
     assert (s.prefetched > 0) == (records is not None)  # full: nothing to read
     predicting = [m._predict is not None for m in streaming_layers(model)]
+    sizes = [x.record_nbytes for x in layers]
+    assert min(sizes) * s.misses <= s.fill_bytes <= max(sizes) * s.misses
     if records is None:  # read whole at load: every slot fill comes from it
         assert s.host_misses == s.host_evictions == s.bytes_read == 0
-        assert s.host_hits == s.misses > 0
+        assert s.host_hits == s.misses > 0 and s.fill_bytes > 0
         assert not any(predicting)  # nothing left to read ahead: no prediction
         return
     assert all(predicting[:-1])  # every layer but the last predicts the next

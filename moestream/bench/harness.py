@@ -191,6 +191,7 @@ def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
                 ),
                 belady=statistics.median(r["replay"]["belady"] for r in row.decode),
                 mb_per_token=bpt / 1e6,
+                fill_mb_per_token=row.median("fill_bytes_per_token") / 1e6,
                 prefetch_recall=row.median("prefetch_recall"),
                 prefetch_precision=row.median("prefetch_precision"),
                 wasted_mb_per_token=row.median("prefetch_wasted_bytes")
@@ -252,6 +253,7 @@ COLUMNS = [
     ("policy", "policy replay", "{:.3f}"),
     ("belady", "Belady", "{:.3f}"),
     ("mb_per_token", "MB/tok", "{:.1f}"),
+    ("fill_mb_per_token", "slot fill MB/tok", "{:.1f}"),
     ("prefetch_recall", "pf recall", "{:.2f}"),
     ("prefetch_precision", "pf precision", "{:.2f}"),
     ("wasted_mb_per_token", "pf wasted MB/tok", "{:.1f}"),

@@ -129,6 +129,7 @@ def run(job: Job) -> dict:
         s = runtime.stats.collect()  # the native engine's counters
         result.update(s.as_dict())
         result["bytes_per_token"] = s.bytes_read / max(n, 1)
+        result["fill_bytes_per_token"] = s.fill_bytes / max(n, 1)
         result["budget"] = runtime.plan.budget
         result["capacity"] = runtime.plan.capacity
         result["host_tier"] = runtime.plan.host_tier

@@ -15,7 +15,10 @@ class RuntimeStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-    bytes_read: int = 0
+    bytes_read: int = 0  # read from the blobs
+    # Copied into slots, one record a slot miss: from the blob, or from the
+    # native engine's host tier (on a GPU, over the bus).
+    fill_bytes: int = 0
     grouped_calls: int = 0
     # Decode calls of layers that hold every expert: no read, no host sync.
     sync_free_calls: int = 0
@@ -166,6 +169,7 @@ class RuntimeStats:
             "misses": self.misses,
             "evictions": self.evictions,
             "bytes_read": self.bytes_read,
+            "fill_bytes": self.fill_bytes,
             "hit_rate": self.hit_rate,
             "prefetched": self.prefetched,
             "prefetch_precision": self.prefetch_precision,

@@ -319,6 +319,7 @@ class StreamingSwitchGLU(nn.Module):
                     self._pool.forget(e)
                 raise
             s.bytes_read += self._layer.record_nbytes
+            s.fill_bytes += self._layer.record_nbytes
         layer = self._layer.layer
         s.per_layer_misses[layer] = s.per_layer_misses.get(layer, 0) + len(misses)
         if len(self._pool.slot_of) == self._layer.num_experts:
