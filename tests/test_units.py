@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import moestream
 from moestream.formats import Recipe, RecipeError
 from moestream.runtime import parse_size
 from moestream.runtime.pool import SlotPool
@@ -144,3 +147,26 @@ def test_engine_defaults_to_native_wherever_it_runs(monkeypatch) -> None:
     assert not RuntimeConfig(engine="native", prefetch=False).prefetches
     monkeypatch.setattr(native, "_native", None)  # not built (macOS)
     assert RuntimeConfig().engine_used == "python"
+
+
+def test_default_engine_falls_back_with_a_warning(
+    monkeypatch, converted, caplog
+) -> None:
+    """An extension built against another MLX (an upgrade since the install)
+    cannot run: the default engine is python then, and load says why."""
+    from moestream.runtime import RuntimeConfig, native
+
+    if not native.available() or mx.default_device() != mx.cpu:
+        pytest.skip("needs the native engine built for this CPU")
+    assert native.fallback_reason() is None
+    monkeypatch.setattr(native._native, "mlx_version", "0.0.1")
+    assert RuntimeConfig().engine_used == "python"
+    assert "built against MLX 0.0.1" in native.fallback_reason()
+    with caplog.at_level(logging.WARNING, logger="moestream.runtime.loader"):
+        moestream.load(converted, cache_experts=4)
+    (record,) = [r for r in caplog.records if "instead of the native" in r.message]
+    assert "reinstall moestream" in record.message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moestream.runtime.loader"):
+        moestream.load(converted, cache_experts=4, engine="python")  # as asked
+    assert not [r for r in caplog.records if "instead of the native" in r.message]

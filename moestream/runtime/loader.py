@@ -155,6 +155,10 @@ def load(
         experts are loaded and planned for (a pipeline rank: moestream.pipeline).
     """
     cfg = replace(config or RuntimeConfig(), **options)  # validates the options
+    if cfg.engine is None and cfg.engine_used == "python":
+        reason = native.fallback_reason()
+        if reason:  # a slower engine than expected: never silently
+            log.warning("the python engine runs instead of the native one: %s", reason)
     directory = Path(path)
     manifest = load_manifest(directory)
     if cfg.verify:  # dense, config and tokenizer files, before any is used

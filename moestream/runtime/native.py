@@ -14,6 +14,7 @@ The Python engine (switch.py) is the reference path.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -73,6 +74,18 @@ def require() -> None:
             f"{mx.default_device()} here (it was built without CUDA); "
             "use engine='python'."
         )
+
+
+def fallback_reason() -> str | None:
+    """Why the default engine falls back to python here, where a user would
+    expect native (None when native runs, and on macOS, which builds none)."""
+    if _native is None and sys.platform == "darwin":
+        return None
+    try:
+        require()
+    except NativeEngineError as e:
+        return str(e)
+    return None
 
 
 def _cast(stored: str, slot: mx.Dtype) -> int:
