@@ -107,6 +107,7 @@ def plan_dict(plan: MemoryPlan, cfg: RuntimeConfig) -> dict[str, Any]:
         residency=plan.capacity / max(plan.num_experts, 1),
         context=cfg.context,
         host_tier=plan.host_tier,
+        engine=cfg.engine_used,
     )
     return d
 
@@ -315,7 +316,7 @@ def format_plan(result: dict[str, Any]) -> str:
     lines = [
         f"memory plan (context {p['context']} tokens"
         + (f", {seqs} sequences at once" if seqs > 1 else "")
-        + "):",
+        + f"; {p['engine']} engine):",
         row("process", p["process"], "this process now: Python, MLX, tokenizer"),
         row("dense", p["dense"], "attention, norms, embeddings, routers, shared"),
         row("KV cache", p["kv_cache"]),

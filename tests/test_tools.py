@@ -392,8 +392,10 @@ def test_plan_is_the_plan_load_makes(converted: Path, flags, options) -> None:
     assert plan["residency"] == plan["capacity"] / plan["num_experts"]
     assert plan["host_tier"] == loaded.host_tier
     assert (loaded.host_tier > 0) == ("host_budget" in options)
+    assert plan["engine"] == moestream.runtime_of(model).config.engine_used
     text = invoke(cli, ["plan", converted, "--no-forecast", *flags]).output
     assert ("host tier" in text) == ("host_budget" in options)
+    assert f"; {plan['engine']} engine):" in text.splitlines()[0]
 
 
 def test_default_budget_is_what_the_model_needs(converted: Path, monkeypatch) -> None:
