@@ -53,10 +53,15 @@ def _free(port: int) -> bool:
     return True
 
 
+def launch_args(n: int, *command: str) -> list[str]:
+    """`mlx.launch -n N --backend ring` on free local ports, then `command`."""
+    args = [str(BIN / "mlx.launch"), "-n", str(n), "--backend", "ring"]
+    return [*args, "--starting-port", str(free_ports(n)), "--", *command]
+
+
 def launch(n: int, *command: str, stdin: str = "") -> subprocess.CompletedProcess:
     """`mlx.launch -n N --backend ring -- command`, killed whole on a timeout."""
-    args = [str(BIN / "mlx.launch"), "-n", str(n), "--backend", "ring"]
-    args += ["--starting-port", str(free_ports(n)), "--", *command]
+    args = launch_args(n, *command)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     p = subprocess.Popen(
         args,
@@ -322,9 +327,8 @@ def test_serve_pipeline_answers_as_the_resident_model(qwen2) -> None:
 
     out, ref = qwen2
     port = free_ports(1)
-    args = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring"]
-    args += ["--starting-port", str(free_ports(2)), "--", str(BIN / "moestream")]
-    args += ["serve", str(out), "--pipeline", "--port", str(port)]
+    args = launch_args(2, str(BIN / "moestream"), "serve", str(out), "--pipeline")
+    args += ["--port", str(port)]
     args += ["--cache-experts", "2", "--dtype", "float32"]
     p = subprocess.Popen(
         args,
