@@ -137,13 +137,18 @@ NB_MODULE(_native, m) {
           "(call, hits, misses, bytes_read, prefetched) of each call resolved "
           "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
+      .def_rw("device_resolve", &ExpertCache::device_resolve,
+              "On a GPU with a host tier of every record: slots resolved by a "
+              "kernel, else by a host function of the stream.")
       .def("take_error", [](ExpertCache& c) {
+        moestream::gpu_collect(c);
         std::lock_guard<std::mutex> lock(c.error_mutex);
         return std::exchange(c.error, std::string());
       })
       .def(
           "take_counters",
           [](ExpertCache& c) {
+            moestream::gpu_collect(c);
             auto& k = c.counters;
             nb::dict d;
             d["hits"] = k.hits.exchange(0);
@@ -153,6 +158,7 @@ NB_MODULE(_native, m) {
             d["evictions"] = k.evictions.exchange(0);
             d["bytes_read"] = k.bytes_read.exchange(0);
             d["native_calls"] = k.calls.exchange(0);
+            d["device_calls"] = k.device_calls.exchange(0);
             d["prefetched"] = k.prefetched.exchange(0);
             d["prefetched_used"] = k.prefetched_used.exchange(0);
             d["misses_prefetched"] = k.misses_prefetched.exchange(0);

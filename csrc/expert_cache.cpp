@@ -309,11 +309,14 @@ void ExpertCache::resolve_call(
       }
     }, rec);
   }
-  if (!rec) {
-    return;
+  if (rec) {
+    add_record(std::move(record));
   }
+}
+
+void ExpertCache::add_record(CallRecord&& record) {
   std::lock_guard<std::mutex> lock(records_mutex_);
-  if (!records_.empty() && records_.back().call == call) { // a grouped call
+  if (!records_.empty() && records_.back().call == record.call) { // grouped
     auto& last = records_.back();
     last.hits += record.hits;
     last.misses += record.misses;
@@ -326,6 +329,7 @@ void ExpertCache::resolve_call(
 }
 
 std::vector<CallRecord> ExpertCache::take_records() {
+  gpu_collect(*this);
   std::lock_guard<std::mutex> lock(records_mutex_);
   return std::exchange(records_, {});
 }
@@ -457,6 +461,7 @@ void ExpertCache::resolve(
 
 void ExpertCache::load(const std::vector<int>& experts, int tokens,
                        int64_t call) {
+  gpu_sync_host(*this);
   std::vector<uint32_t> ids(experts.begin(), experts.end());
   std::vector<uint32_t> out(ids.size());
   // The stream has run every earlier call: a tier's records they used may go.
@@ -470,7 +475,8 @@ void ExpertCache::load(const std::vector<int>& experts, int tokens,
                });
 }
 
-std::vector<int> ExpertCache::table() const {
+std::vector<int> ExpertCache::table() {
+  gpu_sync_host(*this);
   std::vector<int> t(num_experts);
   for (int e = 0; e < num_experts; e++) {
     t[e] = slot_of_[e] < 0 ? capacity : slot_of_[e];

@@ -32,6 +32,7 @@ struct Counters {
   std::atomic<int64_t> hits{0}, misses{0}, evictions{0}, bytes_read{0};
   // calls: fetches resolved inside the stream (not host-side loads)
   std::atomic<int64_t> calls{0}, prefetched{0}, prefetched_used{0};
+  std::atomic<int64_t> device_calls{0}; // of calls: resolved by a kernel
   std::atomic<int64_t> misses_prefetched{0}, prefetch_bytes{0};
 };
 
@@ -110,6 +111,9 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
                     uint32_t* out, int64_t call, const UseRecord& use);
   // The records of the calls resolved since the last take, in call order.
   std::vector<CallRecord> take_records();
+  // Keep one call's record (recording), its counts added to the last one's
+  // when it has the same id (the loads of one grouped call).
+  void add_record(CallRecord&& record);
   // Read `expert` into one host staging record shared by every layer (reads
   // run one at a time: the stream's, or the host's after a synchronize),
   // then hand it to `use`.
@@ -127,7 +131,7 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // Make `experts` resident now (host-blocking; the caller has synchronized),
   // as (part of) call `call`.
   void load(const std::vector<int>& experts, int tokens, int64_t call);
-  std::vector<int> table() const;
+  std::vector<int> table();
 
   const std::string path_;
   const int layer_;
@@ -142,6 +146,13 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   bool on_gpu{false};
   std::vector<Segment> segments;
   std::shared_ptr<GpuState> gpu; // made by the first GPU fetch
+  // On a GPU with a host tier that holds this layer's records for good:
+  // resolve each call's slots in a kernel, from a copy of the slot table on
+  // the device, instead of in a host function of the stream.
+  bool device_resolve{true};
+  // The device's copy of the table is the current one (a kernel resolved
+  // since the host last did): the host's is stale until gpu_sync_host.
+  bool device_owned{false};
 
  private:
   void resolve(const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
@@ -155,6 +166,8 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   int victim(const std::vector<char>& keep);
   void drop(int expert);
   void used(const std::vector<int>& experts, int tokens);
+
+  friend struct GpuAccess; // cuda_fetch.cu: the table's device copy
 
   int fd_;
   int64_t data_offset_, stride_;
@@ -218,6 +231,12 @@ mx::array fetch(std::shared_ptr<ExpertCache> cache, const mx::array& inds,
 void gpu_fetch(ExpertCache& cache, const std::vector<mx::array>& inputs,
                mx::array& out, bool predicted, int64_t call, mx::Stream s);
 void gpu_load_copy(ExpertCache& cache, const uint8_t* record, int slot);
+// When the device resolves a layer's calls: wait for the device, then make
+// the host's table current again (before a host-side load reads it).
+void gpu_sync_host(ExpertCache& cache);
+// Fold in what the device counted and recorded for calls that have run, and
+// its error, if any. Both do nothing where the device has not resolved.
+void gpu_collect(ExpertCache& cache);
 bool built_with_cuda();
 
 } // namespace moestream

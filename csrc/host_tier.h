@@ -55,6 +55,9 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   // The record in `slot` once read (rethrows its read error).
   const uint8_t* wait(int64_t slot, int64_t key);
   bool holds(int64_t key);
+  // The slots of keys base .. base + n - 1 if they are all read and stay
+  // there for good (the tier has a record for every key, so never evicts).
+  bool fixed_slots(int64_t base, int n, std::vector<int>& slots);
 
   const int64_t capacity, record_bytes;
   const bool pinned;

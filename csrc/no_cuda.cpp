@@ -22,6 +22,10 @@ void gpu_load_copy(ExpertCache&, const uint8_t*, int) {
   no_cuda();
 }
 
+void gpu_sync_host(ExpertCache&) {} // nothing resolves on a device here
+
+void gpu_collect(ExpertCache&) {}
+
 uint8_t* pinned_alloc(size_t) {
   no_cuda();
 }

@@ -63,6 +63,14 @@ def rows(out: str) -> list[tuple[str, dict]]:
             {**native, "cache_experts": q, "host_budget": q * record},
         ),
         ("python 25 %", {"cache_experts": q}),
+        (
+            "native 25 %, host function",
+            {**native, "cache_experts": q, "device_resolve": False},
+        ),
+        (
+            "native 10 %, host function",
+            {**native, "cache_experts": d, "device_resolve": False},
+        ),
     ]
 
 
@@ -79,9 +87,10 @@ def main() -> None:
     )
     print(
         "| row | mode | decode tok/s | x resident (spread) | hit | host tier hit | "
-        "MB read/tok | slot fills/tok | pf precision | device peak MB | RSS MB | same |"
+        "MB read/tok | slot fills/tok | pf precision | device calls | device peak MB "
+        "| RSS MB | same |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     keep = [int(i) for i in sys.argv[4].split(",")] if len(sys.argv) > 4 else None
     for i, (name, options) in enumerate(rows(out)):
         if keep is not None and i not in keep:
@@ -123,6 +132,7 @@ def line(name, mode, tps, ratios, s, runs, same) -> None:
         f"| {name} | {mode} | {tps:.1f} | {statistics.median(ratios):.3f} ({spread}) "
         f"| {s.hit_rate:.3f} | {host_hit} | {s.bytes_read / runs / 1e6:.1f} "
         f"| {s.misses / runs:.1f} | {s.prefetch_precision:.2f} "
+        f"| {s.device_calls / max(1, s.native_calls):.2f} "
         f"| {mx.get_peak_memory() / 1e6:.0f} | {peak_rss() / 1e6:.0f} | {same} |",
         flush=True,
     )

@@ -55,13 +55,17 @@ def test_resident_deterministic_and_prefetch_exact_on_gpu(converted):
             assert mx.array_equal(a, b).item(), (cache_experts, prefetch)
 
 
-@pytest.mark.parametrize("cache_experts, host_records", [(2, None), (5, None), (3, 4)])
+@pytest.mark.parametrize(
+    "cache_experts, host_records, device_resolve",
+    [(2, None, True), (5, None, True), (5, None, False), (3, 4, True)],
+)
 def test_native_engine_exact_on_gpu(
-    converted, hf_dir, recipe, cache_experts, host_records
+    converted, hf_dir, recipe, cache_experts, host_records, device_resolve
 ):
-    """The CUDA engine: slot lookup in a host function of the stream, misses
-    read through the pinned host tier (the default one, and one of 4 records
-    that evicts), copies over the bus; the 48-token prompt runs grouped."""
+    """The CUDA engine: slots resolved by a kernel (a tier of every record,
+    read at load) or by a host function of the stream (asked, or a tier of 4
+    records that evicts), misses copied from the pinned host tier over the
+    bus; the 48-token prompt runs grouped."""
     ref = resident_model(hf_dir, recipe, compute_dtype="bfloat16")  # GPU's auto
     theirs = logits_stepwise(ref, PROMPT, DECODE_STEPS)
     layers = load_manifest(converted).layers
@@ -74,6 +78,7 @@ def test_native_engine_exact_on_gpu(
         engine="native",
         host_budget=budget,
         dtype="bfloat16",
+        device_resolve=device_resolve,
     )
     ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
@@ -85,3 +90,42 @@ def test_native_engine_exact_on_gpu(
         assert s.host_hits == s.misses and s.host_misses == 0
     else:
         assert s.host_misses > 0 and s.host_evictions > 0
+    on_device = device_resolve and host_records is None
+    assert s.device_calls == (s.native_calls if on_device else 0)
+
+
+@pytest.mark.parametrize("policy", ["lrfu", "lru"])
+def test_device_resolve_makes_the_host_functions_choices(converted, policy):
+    """The kernel that resolves slots on the device chooses as the host
+    function does: the same logits, counters, per-call records and final slot
+    tables, through two prompts (grouped prefills, whose host-side loads take
+    the table back from the device) each followed by decode steps."""
+    runs = {}
+    for on in (True, False):
+        model, _ = moestream.load(
+            converted,
+            cache_experts=3,
+            engine="native",
+            dtype="bfloat16",
+            policy=policy,
+            record_trace=True,
+            device_resolve=on,
+        )
+        logits = logits_stepwise(model, PROMPT, DECODE_STEPS)
+        logits += logits_stepwise(model, PROMPT[:, ::-1], DECODE_STEPS)
+        s = moestream.stats(model)
+        events = [
+            (e["layer"], e["step"], e["tokens"], e["hits"], e["misses"])
+            for e in s.events
+        ]
+        s.collect()
+        counts = (s.hits, s.misses, s.evictions, s.host_hits, s.host_misses)
+        tables = [cache.table() for cache in s.native_layers.values()]
+        runs[on] = (logits, events, counts, tables, s.device_calls, s.native_calls)
+    (logits, events, counts, tables, device_calls, calls), off = runs[True], runs[False]
+    assert device_calls == calls > 0 and off[4] == 0
+    for a, b in zip(logits, off[0], strict=True):
+        assert mx.array_equal(a, b).item()
+    assert events == off[1] and all(h is not None for *_, h, _ in events)
+    assert counts == off[2] and counts[2] > 0  # it evicted
+    assert tables == off[3]

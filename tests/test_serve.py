@@ -398,6 +398,7 @@ ENGINE_FLAGS = {
     "--engine": ("python", "engine", "python"),
     "--no-prefetch": (None, "prefetch", False),
     "--readers": ("3", "readers", 3),
+    "--no-device-resolve": (None, "device_resolve", False),
 }
 
 

@@ -45,6 +45,7 @@ RUNTIME_CHOICES: dict[str, list] = {
     "host_budget": [None, "64M"],  # the native engine only (a tier on a CPU)
     "readers": [1, 3],
     "concurrency": [1, 2],
+    "device_resolve": [False, True],  # a GPU's: no effect on a CPU
 }
 FAST_CASES, SLOW_CASES = 30, 1000
 FAST_SETS, SLOW_SETS = 8, 60  # option sets per run

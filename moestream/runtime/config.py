@@ -65,6 +65,11 @@ class RuntimeConfig:
         available at load, else that half. On a CPU: none unless given (the
         page cache is the host tier there).
     readers: reader threads of the host tier (shared by every loaded model).
+    device_resolve: the native engine on a GPU, in a layer whose records the
+        host tier holds for good (read at load) and that reads nothing ahead:
+        a kernel resolves each call's slots from the device's copy of the
+        slot table, so the CUDA stream never waits on the host. False: a host
+        function in the stream resolves them, as with any other tier.
     concurrency: sequences decoded at once (a server's batch): the KV cache and
         activations are sized for that many, and each layer needs at least
         min(experts, concurrency x top-k) slots, as a batch's decode step routes
@@ -87,6 +92,7 @@ class RuntimeConfig:
     host_budget: int | str | None = None
     readers: int = 8
     concurrency: int = 1
+    device_resolve: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.concurrency, int) and self.concurrency >= 1):

@@ -185,7 +185,6 @@ def load(
     tier = None
     if plan.host_records:
         tier = native.host_tier(plan, cfg.readers)
-        stats.native.append(tier)
     streaming = {}
     for spath, module in switches.items():
         streaming[spath] = StreamingSwitchGLU(
@@ -200,6 +199,8 @@ def load(
             tier,
         )
         replace_module(model, spath, streaming[spath])
+    if tier is not None:  # counted after its layers (a GPU's fills count there)
+        stats.native.append(tier)
     every = sum(layer.num_experts for layer in manifest.layers)
     full_tier = tier is not None and plan.host_records >= every
     # The native engine's read-ahead; by default none into a tier that holds

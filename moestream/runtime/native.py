@@ -111,9 +111,11 @@ def expert_cache(
     max_pairs: int,
     tier: object | None = None,
     record_calls: bool = False,
+    device_resolve: bool = True,
 ) -> object:
     """The native cache of one MoE layer over its evaluated slot arrays;
-    `record_calls` keeps each call's counts (RuntimeStats.events)."""
+    `record_calls` keeps each call's counts (RuntimeStats.events);
+    `device_resolve`: RuntimeConfig's."""
     require()
     segments = [
         (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
@@ -135,6 +137,7 @@ def expert_cache(
         max_pairs=max_pairs,
         record_calls=record_calls,
     )
+    cache.device_resolve = device_resolve
     cache.bind(slots, mx.default_device() != mx.cpu)
     if tier is not None:
         cache.attach(tier)

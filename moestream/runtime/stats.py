@@ -24,6 +24,8 @@ class RuntimeStats:
     sync_free_calls: int = 0
     # Calls whose slots the native engine resolved inside the stream.
     native_calls: int = 0
+    # ... of them, on a GPU, by a kernel (RuntimeConfig.device_resolve).
+    device_calls: int = 0
     # Prefetch (native engine): experts predicted for the next layer, not resident.
     prefetched: int = 0
     prefetched_used: int = 0  # ... that the next layer routed to
@@ -177,6 +179,7 @@ class RuntimeStats:
             "prefetch_wasted_bytes": self.wasted_bytes,
             "sync_free_calls": self.sync_free_calls,
             "native_calls": self.native_calls,
+            "device_calls": self.device_calls,
             "host_hits": self.host_hits,
             "host_late": self.host_late,
             "host_misses": self.host_misses,

@@ -113,6 +113,7 @@ class StreamingSwitchGLU(nn.Module):
                 max_pairs=cap,
                 tier=tier,
                 record_calls=config.record_trace,
+                device_resolve=config.device_resolve,
             )
             stats.native.append(self._native)
             stats.native_layers[layer.layer] = self._native
