@@ -96,20 +96,40 @@ struct DevReport {
 
 struct GpuState {
   int max_stage, max_pred;
-  uint32_t* ids; // pinned: routed ids of the call in flight
-  uint32_t* pred; // pinned: predicted ids for the next layer
-  uint32_t* out; // pinned: slot per routed pair
-  Plan* plan; // pinned
-  SegDesc* segs; // device
+  uint32_t* ids{nullptr}; // pinned: routed ids of the call in flight
+  uint32_t* pred{nullptr}; // pinned: predicted ids for the next layer
+  uint32_t* out{nullptr}; // pinned: slot per routed pair
+  Plan* plan{nullptr}; // pinned
+  SegDesc* segs{nullptr}; // device
   int nseg;
   // Device resolution: -1 not decided yet, 0 off, 1 on.
   int device_mode{-1};
+  uint8_t* table_memory{nullptr}; // device: every array of `table`
   DevTable table{};
   DevReport* report{nullptr}; // pinned
   int64_t taken[3]{}; // report counts already folded into the counters
   std::mutex records_mutex;
   std::deque<std::pair<int64_t, DevRecord*>> pending; // recording, in order
   std::vector<DevRecord*> spare;
+  std::vector<DevRecord*> chunks; // pinned, of `spare` and `pending`
+
+  // The cache goes only once the stream has run its calls (the completed
+  // handler of each holds it), so nothing in flight uses these. Errors are
+  // ignored: at exit the CUDA runtime may be gone already.
+  ~GpuState() {
+    for (void* p : {static_cast<void*>(ids), static_cast<void*>(pred),
+                    static_cast<void*>(out), static_cast<void*>(plan),
+                    static_cast<void*>(report)}) {
+      if (p) {
+        cudaFreeHost(p);
+      }
+    }
+    for (auto* chunk : chunks) {
+      cudaFreeHost(chunk);
+    }
+    cudaFree(segs);
+    cudaFree(table_memory);
+  }
 };
 
 // Our kernels as driver-API handles: MLX adds graph nodes with its own CUDA
@@ -448,6 +468,7 @@ struct GpuAccess {
         64;
     uint8_t* base = nullptr;
     check(cudaMalloc(&base, bytes), "cudaMalloc");
+    g.table_memory = base;
     auto& t = g.table;
     auto* p = base;
     auto take = [&](size_t n) {
@@ -548,8 +569,9 @@ struct GpuAccess {
   static DevRecord* record(GpuState& g, int64_t call) {
     std::lock_guard<std::mutex> lock(g.records_mutex);
     if (g.spare.empty()) {
-      constexpr int CHUNK = 1024; // never freed: reused once collected
+      constexpr int CHUNK = 1024; // reused once collected
       auto* chunk = pinned<DevRecord>(CHUNK);
+      g.chunks.push_back(chunk);
       for (int i = 0; i < CHUNK; i++) {
         g.spare.push_back(chunk + i);
       }
