@@ -3,9 +3,11 @@
 `RuntimeConfig.engine="native"` (the default wherever the extension is built
 and can run) hands each streaming layer an `ExpertCache` (csrc/, built by
 `pip install`) whose `fetch` primitive turns routed expert ids into slot ids
-while MLX evaluates the graph: misses are read on the stream (CPU) or by a
-host function in the CUDA stream, so a decode step never returns to Python
-between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
+while MLX evaluates the graph: misses are read on the stream (CPU); on a GPU
+a host function in the CUDA stream resolves them, or, where the host tier
+holds a layer's records for good, a kernel does from the device's copy of
+the slot table (RuntimeConfig.device_resolve). A decode step never returns
+to Python between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
 holds records in host memory between the blob and the slots: its reader
 threads read a call's misses in parallel and the next layer's predicted
 experts ahead; on a GPU it is pinned memory that a copy kernel reads from.
