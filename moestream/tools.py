@@ -160,7 +160,7 @@ def eval_cmd(
 def plot_cmd(trace_file: str, output: str) -> None:
     """Draw a run-moe --trace file: expert use per layer, hit rate and MB read
     per token, beside LRU and Belady replays of the same routing."""
-    from .plot import plot_trace, pyplot
+    from .bench.plot import plot_trace, pyplot
     from .trace import read_trace
 
     def run() -> None:

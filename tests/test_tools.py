@@ -263,8 +263,8 @@ def test_trace_holds_every_layer_call(traced) -> None:
 
 
 def test_plot_draws_a_trace(traced, tmp_path: Path) -> None:
+    from moestream.bench.plot import per_token
     from moestream.bench.replay import belady_hits, policy_hits
-    from moestream.plot import per_token
 
     path, _ = traced
     trace = read_trace(path)
