@@ -170,3 +170,9 @@ common_options = logging_options()
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+# The converted model most commands take, and their --json.
+model_argument = click.argument("model_dir", metavar="OUT", type=click.Path())
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object."
+)
