@@ -148,3 +148,19 @@ def test_every_doc_is_in_the_index() -> None:
         p.name for p in PAGES[1:] if p.name != "README.md" and p.name not in index
     ]
     assert not missing, f"docs/README.md does not link {missing}"
+
+
+PATH = re.compile(r"`((?:moestream|tests|scripts|csrc|examples)/[^`\s]*)`")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_named_files_exist(page: Path) -> None:
+    """Every source path a page names is there (or is said to be in git history)."""
+    text = page.read_text()
+    missing = [
+        m.group(1)
+        for m in PATH.finditer(text)
+        if not list(ROOT.glob(m.group(1)))
+        and "git history" not in " ".join(text[m.end() : m.end() + 80].split())
+    ]
+    assert not missing, f"{page.name} names files that are not there: {missing}"
