@@ -26,7 +26,7 @@ import moestream.plan
 from moestream.cli import main as cli
 from moestream.evaluate import evaluate, sequences
 from moestream.options import engine_options, field_help
-from moestream.reference import resident_from_converted
+from moestream.reference import resident_from_converted, resident_model
 from moestream.runtime import RuntimeConfig, loader, native
 from moestream.runtime.cli import encode_prompt
 from moestream.runtime.cli import main as run_main
@@ -124,14 +124,15 @@ def test_log_level_and_v_reach_logging(converted: Path, flags) -> None:
 # ------------------------------------------------------------------ run-moe
 
 
-def test_sampling_flags_match_mlx_lm(converted: Path, reference) -> None:
+def test_sampling_flags_match_mlx_lm(converted: Path, hf_dir: Path, recipe) -> None:
     out = run_json(
         converted,
         *("--temp", 0.8, "--top-k", 5, "--min-p", 0.05, "--seed", 7),
         *("--cache-experts", 3),
     )
     tok = load_tokenizer(converted)
-    mx.random.seed(7)
+    mx.random.seed(7)  # before building, as run-moe seeds before loading
+    reference = resident_model(hf_dir, recipe)
     sampler = make_sampler(0.8, 1.0, 0.05, top_k=5)
     want = resident_tokens(reference, tok.encode("def add"), 10, sampler=sampler)
     assert out["tokens"] == want
@@ -381,7 +382,8 @@ def test_plan_is_the_plan_load_makes(converted: Path, flags, options) -> None:
     r = invoke(cli, ["plan", converted, "--no-forecast", "--json", *flags])
     assert r.exit_code == 0, r.output
     plan = json.loads(r.output)["plan"]
-    model, _ = moestream.load(converted, **options)
+    # the context plan assumed (run-moe's prompt plus --max-tokens), unless given
+    model, _ = moestream.load(converted, **{"context": plan["context"], **options})
     loaded = moestream.runtime_of(model).plan
     for name in PLAN_FIELDS:
         assert plan[name] == getattr(loaded, name), name
