@@ -19,11 +19,13 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import user_errors
+from .generate import chat_template_text
 from .options import CONTEXT, common_options, engine_options
 from .runtime import RuntimeConfig, load, runtime_of, stats
-from .serve import ENGINE_EXCLUDED, chat_template_text
 
 HELP = "commands: q quit, r reset the conversation, h help"
+# RuntimeConfig fields a chat sets its own way: one conversation, no trace.
+ENGINE_EXCLUDED = ("record_trace", "concurrency")
 
 
 @dataclass

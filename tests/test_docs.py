@@ -24,7 +24,8 @@ COMMAND = re.compile(
 # pip, mlx.launch, Docker, mlx-lm's own commands, the scripts under scripts/.
 FOREIGN = {
     "force-reinstall", "no-deps", "no-build-isolation",  # pip
-    "hosts", "backend", "add-host", "model", "q-bits",  # mlx.launch, docker, mlx-lm
+    "hosts", "backend", "add-host",  # mlx.launch, docker
+    "model", "q-bits", "hf-path", "mlx-path",  # mlx-lm's commands
     "budget", "cold", "steps", "warmup", "rounds", "recipes", "layout", "layers",
     "bench",  # scripts/mode_ab.py, forecast_check.py, synthetic_hf.py, ...
 }  # fmt: skip
