@@ -261,7 +261,7 @@ def test_a_rank_that_dies_ends_the_others(tmp_path, converted) -> None:
 def test_pipeline_refuses_what_it_does_not_run(converted: Path) -> None:
     from click.testing import CliRunner
 
-    from moestream.runtime.cli import main
+    from moestream.cli.run import main
 
     r = CliRunner().invoke(
         main, [str(converted), "--pipeline", "-p", "x", "--draft-model", "d"]

@@ -29,8 +29,8 @@ from helpers import (
     mlx_lm_generate,
 )
 
+from moestream.cli.run import main as run_moe
 from moestream.runtime import native
-from moestream.runtime.cli import main as run_moe
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 ENGINES = ["python"] + ["native"] * native.available()

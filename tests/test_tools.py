@@ -24,12 +24,12 @@ from mlx_lm.utils import compute_bits_per_weight, load_tokenizer
 import moestream
 import moestream.plan
 from moestream.cli import main as cli
+from moestream.cli.run import main as run_main
 from moestream.evaluate import evaluate, sequences
+from moestream.generate import encode_prompt
 from moestream.options import engine_options, field_help
 from moestream.reference import resident_from_converted, resident_model
 from moestream.runtime import RuntimeConfig, loader, native
-from moestream.runtime.cli import encode_prompt
-from moestream.runtime.cli import main as run_main
 from moestream.trace import read_trace
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 12
