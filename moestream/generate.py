@@ -34,6 +34,7 @@ class Generation:
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     prompt_bytes_read: int = 0
+    generated: int = 0  # tokens generated, a final end-of-sequence one included
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,12 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     prompt_cache: list | None = None,
     draft_model: nn.Module | None = None,
+    sampler: Callable[[mx.array], mx.array] | None = None,
 ) -> Generation:
-    """Run mlx-lm's generation loop; collect text, token ids and timings."""
+    """Run mlx-lm's generation loop; collect text, token ids and timings.
+
+    sampler: instead of `sampling`'s (which still gives the KV-cache options).
+    """
     out = Generation(prompt_tokens=len(prompt))
     eos = set(tokenizer.eos_token_ids)
     bar = tqdm(
@@ -130,7 +135,7 @@ def generate(
         tokenizer,
         prompt,
         max_tokens=max_tokens,
-        sampler=sampling.sampler(),
+        sampler=sampler or sampling.sampler(),
         prompt_cache=prompt_cache,
         draft_model=draft_model,
         num_draft_tokens=sampling.num_draft_tokens,
@@ -144,6 +149,7 @@ def generate(
             out.tokens.append(r.token)
         out.text += r.text
         out.prompt_tps, out.generation_tps = r.prompt_tps, r.generation_tps
+        out.generated = r.generation_tokens
         if on_text is not None:
             on_text(r.text)
     bar.close()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import click
 
 from ..bench.commands import bench_group as bench_cmd
-from ..chat import chat_cmd
 from ..options import CONTEXT, common_options
+from .chat import chat_cmd
 from .convert import main as convert_cmd
 from .eval import eval_cmd
 from .info import info_cmd
