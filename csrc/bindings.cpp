@@ -81,6 +81,7 @@ NB_MODULE(_native, m) {
       .def(
           "take_counters",
           [](HostTier& t) {
+            moestream::gpu_tier_collect(t);
             auto& k = t.counters;
             nb::dict d;
             d["host_hits"] = k.hits.exchange(0);
@@ -89,7 +90,15 @@ NB_MODULE(_native, m) {
             d["host_evictions"] = k.evictions.exchange(0);
             return d;
           },
-          "The counters since the last call (they restart at zero).");
+          "The counters since the last call (they restart at zero).")
+      .def(
+          "keys",
+          [](HostTier& t) {
+            moestream::gpu_tier_sync_host(t);
+            return t.keys();
+          },
+          "The record key in each slot (-1: empty), the device's table "
+          "brought back first where a kernel resolves the tier.");
 
   nb::class_<ExpertCache>(m, "ExpertCache")
       .def(
