@@ -27,7 +27,6 @@ from mlx_lm.generate import generate_step
 import moestream
 from moestream.formats import load_manifest
 from moestream.reference import resident_from_converted
-from moestream.runtime.loader import budget_for
 from moestream.units import peak_rss
 
 PROMPT = mx.array([(13 * i + 7) % 4000 for i in range(40)])
@@ -50,9 +49,6 @@ def rows(out: str) -> list[tuple[str, dict]]:
     native = {"engine": "native"}
     tier = {**native, "host_budget": "1900M"}  # the 25 % of medium
     host_fn = {"device_resolve": False}
-    # As `moestream bench` loads: a memory budget (MLX's buffer cache bounded)
-    # and per-call trace records.
-    bench = {**native, "record_trace": True}
     return [
         ("native 100 %", {**native, "cache_experts": experts}),
         ("native 25 %", {**native, "cache_experts": q}),
@@ -69,19 +65,12 @@ def rows(out: str) -> list[tuple[str, dict]]:
         ),
         (
             "native 25 %, tier 1.9 GB, host function",
-            {**tier, **host_fn, "cache_experts": q},
+            {**tier, **host_fn, "cache_experts": q, "prefetch": False},
         ),
+        # per-call trace records, as `moestream bench` loads
         (
-            "native 25 %, bench's options",
-            {**bench, "cache_experts": q, "memory_budget": budget_for(out, q, 41)},
-        ),
-        (
-            "native 10 %, bench's options",
-            {**bench, "cache_experts": d, "memory_budget": budget_for(out, d, 41)},
-        ),
-        (
-            "native 25 %, record_trace only",
-            {**bench, "cache_experts": q},
+            "native 25 %, record_trace",
+            {**native, "record_trace": True, "cache_experts": q},
         ),
         ("native 25 %, host function", {**native, **host_fn, "cache_experts": q}),
         ("native 10 %, host function", {**native, **host_fn, "cache_experts": d}),
