@@ -114,7 +114,7 @@ class Conversation:
     "--pipeline",
     is_flag=True,
     help="Run as one rank of a pipeline started by mlx.launch (every rank reads "
-    "the same input; rank 0 answers). The seed then applies after loading.",
+    "the same input; rank 0 answers).",
 )
 @engine_options(exclude=ENGINE_EXCLUDED)
 @common_options
@@ -141,8 +141,8 @@ def chat_cmd(
             return Conversation(model, tokenizer, system_prompt)
         from .pipeline import init, load_stage
 
+        # every rank's load draws the whole model's random numbers (loader.py)
         model, tokenizer, _ = load_stage(model_dir, config, init(), None, options)
-        mx.random.seed(seed)  # ranks build different layers, drawing differently
         return Conversation(model, tokenizer, system_prompt)
 
     chat = user_errors(start)

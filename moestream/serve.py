@@ -164,7 +164,9 @@ def plan_server(
     """
     base = plan_for(directory, replace(config, concurrency=1), shard)  # BudgetError
     kv1 = base.kv_cache
-    budget = base.budget  # the default budget when none was given
+    budget = base.budget  # the default budget when none was given...
+    if config.memory_budget is None and base.capacity >= base.num_experts:
+        budget = None  # ...unless every expert fits: then load sizes it for c
     entries = options.prompt_cache_size
     model_config = load_config(Path(directory))
     top_k = get_family(model_config).top_k(model_config)

@@ -385,10 +385,14 @@ def _build(
     expert tensors left unread; with the (cut) manifest and config, and the
     MoE modules and their manifest layers."""
     model = build_model(model_config)
+    weights = dense_weights(directory, manifest)  # lazy: nothing is read yet
+    # Quantized before the cut: every rank then draws the random numbers that
+    # mlx-lm's load draws for the whole model, so a seed means the same to all.
+    quantize_as_configured(model, model_config, weights)
     manifest, model_config, keep = _cut(model, manifest, model_config, shard)
     switches = switch_modules(model)
     layers = check_layers(manifest, switches)
-    _load_dense(model, directory, manifest, model_config, keep)
+    _load_dense(model, weights, keep)
     _check_expert_shapes(switches, layers)  # before sizing memory from the manifest
     cast_floating(model, compute)
     return model, manifest, model_config, switches, layers
@@ -466,16 +470,10 @@ def dense_weights(directory: Path, manifest: Manifest) -> dict[str, mx.array]:
 
 
 def _load_dense(
-    model: nn.Module,
-    directory: Path,
-    manifest: Manifest,
-    config: dict,
-    keep: range | None = None,
+    model: nn.Module, weights: dict[str, mx.array], keep: range | None = None
 ) -> None:
-    weights = dense_weights(directory, manifest)
     if keep is not None:  # lazy: the other layers' tensors are never read
         weights = {k: v for k, v in weights.items() if _in_layers(k, keep)}
-    quantize_as_configured(model, config, weights)
     # The expert tensors stream from blobs: keep the lazy, never-evaluated ones.
     placeholders = list(_expert_params(model).items())
     try:
