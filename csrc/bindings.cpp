@@ -147,8 +147,9 @@ NB_MODULE(_native, m) {
           "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
       .def_rw("device_resolve", &ExpertCache::device_resolve,
-              "On a GPU with a host tier of every record: slots resolved by a "
-              "kernel, else by a host function of the stream.")
+              "On a GPU, unless a layer reads ahead into the host tier: slots "
+              "and tier records resolved by a kernel, else by a host function "
+              "of the stream.")
       .def("take_error", [](ExpertCache& c) {
         moestream::gpu_collect(c);
         std::lock_guard<std::mutex> lock(c.error_mutex);
