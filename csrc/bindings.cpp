@@ -81,6 +81,7 @@ NB_MODULE(_native, m) {
       .def(
           "take_counters",
           [](HostTier& t) {
+            moestream::gpu_tier_collect(t);
             auto& k = t.counters;
             nb::dict d;
             d["host_hits"] = k.hits.exchange(0);
@@ -89,7 +90,15 @@ NB_MODULE(_native, m) {
             d["host_evictions"] = k.evictions.exchange(0);
             return d;
           },
-          "The counters since the last call (they restart at zero).");
+          "The counters since the last call (they restart at zero).")
+      .def(
+          "keys",
+          [](HostTier& t) {
+            moestream::gpu_tier_sync_host(t);
+            return t.keys();
+          },
+          "The record key in each slot (-1: empty), the device's table "
+          "brought back first where a kernel resolves the tier.");
 
   nb::class_<ExpertCache>(m, "ExpertCache")
       .def(
@@ -138,8 +147,9 @@ NB_MODULE(_native, m) {
           "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
       .def_rw("device_resolve", &ExpertCache::device_resolve,
-              "On a GPU with a host tier of every record: slots resolved by a "
-              "kernel, else by a host function of the stream.")
+              "On a GPU, unless a layer reads ahead into the host tier: slots "
+              "and tier records resolved by a kernel, else by a host function "
+              "of the stream.")
       .def("take_error", [](ExpertCache& c) {
         moestream::gpu_collect(c);
         std::lock_guard<std::mutex> lock(c.error_mutex);

@@ -1,21 +1,32 @@
-// The CUDA side of ExpertFetch: three stream-ordered steps per MoE call, all
-// inside MLX's CUDA graph, so Python never waits on the router.
+// The CUDA side of ExpertFetch: stream-ordered steps per MoE call, all inside
+// MLX's CUDA graph, so Python never waits on the router.
+// The reference path (RuntimeConfig.device_resolve=False, and wherever a
+// layer reads ahead into the host tier):
 //   1. a kernel copies the routed ids into pinned host memory (zero copy);
 //   2. a host function resolves slots and has the misses read into the pinned
 //      host tier (host_tier.h), by its reader threads in parallel, unless the
 //      tier holds them already (read ahead, or used before);
 //   3. a kernel copies those records into their device slots (reading the
 //      pinned tier over the bus) and writes the slot ids.
-// When the tier holds every record of the layer for good (read at load) and
-// nothing is read ahead, step 2 needs no host at all: one kernel resolves the
-// call from the device's copy of the slot table, the same choices the host
-// makes (victim, scores, counts), and step 3 follows it. The host's copy is
-// brought back (gpu_sync_host) before a host-side load uses it.
+// The device path (the default): one kernel resolves the call from the
+// device's copies of the layer's slot table and of the host tier's table,
+// making the host's choices (victims, scores, the tier's LRU, counts). Slot
+// hits and tier hits need no host at all; for records the tier lacks, the
+// kernel posts (record, tier slot) to a pinned mailbox and spins until the
+// tier's service thread has had them read (GPU-initiated reads; nothing it
+// waits for is queued on the stream). Step 3 follows. The host's copies are
+// brought back (gpu_sync_host) before a host-side load uses them.
 #include <cuda.h>
+#include <cuda/atomic>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <deque>
+#include <memory>
 #include <mutex>
+#include <thread>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -68,14 +79,14 @@ struct Plan {
 } // namespace
 
 // A call's counts, written by the resolving kernel (pinned); `hits` last, so
-// -1 there means the call has not run yet.
+// -1 there means the call has not run yet, -2 that it failed (no record).
 struct DevRecord {
-  int64_t hits, misses;
+  int64_t hits, misses, bytes_read;
 };
 
 // The layer's slot table on the device (one allocation), as ExpertCache
 // keeps it on the host: expert -> slot, slot -> expert, policy scores, the
-// stack of free slots, the LRU clock; and the tier slot of every record.
+// stack of free slots, the LRU clock.
 struct DevTable {
   int* slot_of; // num_experts
   int* expert_in; // capacity
@@ -83,15 +94,56 @@ struct DevTable {
   int* free_stack; // capacity
   int* free_n; // 1
   int64_t* clock; // 1
-  int* tier_slot; // num_experts
   int64_t* counts; // hits, misses, evictions so far (device)
   Plan* plan; // the copies of the call in flight (device)
+};
+
+// The host tier's table on the device, as HostTier keeps it: key -> tier
+// slot, slot -> key, last use (LRU stamps), the call that holds a slot, the
+// stack of free slots, the clock, calls so far.
+struct DevTier {
+  int* slot_of; // keys
+  int* key_in; // capacity
+  int64_t* stamp; // capacity
+  int64_t* held; // capacity: the epoch of the call that last used the slot
+  int* free_stack; // capacity
+  int* free_n;
+  int64_t* clock;
+  int64_t* epoch;
+  int64_t* counts; // hits, misses, evictions so far (device)
+  int capacity;
+};
+
+// Records the tier lacks, posted by a kernel for the tier's service thread
+// (pinned, mapped): `posted` is raised by the device once the request is
+// written, `done` by the host once every record is read. Then `expert`,
+// `slot` and `status` (nonzero: its read failed), `capacity` entries each.
+struct Mailbox {
+  int64_t posted, done;
+  ExpertCache* cache; // the layer whose records (alive: its call is in flight)
+  int n, failed;
+  int entries[1];
 };
 
 // What the host learns from the device: counts so far and an error flag.
 struct DevReport {
   int64_t counts[3];
-  int error; // 1: a routed id out of range; 2: more experts than slots
+  int error; // 1: id out of range; 2: more experts than slots; 3: a read
+             // failed (the host set its words); 4: no tier slot to evict
+};
+
+// The tier's side on the GPU: its device table, mailbox and counts.
+struct TierGpu {
+  HostTier* tier;
+  int mode{-1}; // -1 not decided yet, 0 the host function, 1 the device
+  uint8_t* table_memory{nullptr};
+  DevTier table{};
+  Mailbox* box{nullptr}; // pinned
+  int64_t* report{nullptr}; // pinned: hits, misses, evictions so far
+  int64_t taken[3]{};
+  int64_t served{0}; // the service thread's: the last request it served
+  bool device_owned{false}; // the device's table is the current one
+  ~TierGpu();
 };
 
 struct GpuState {
@@ -144,6 +196,24 @@ struct CallArgs {
   int tokens;
   int npred;
   int64_t call;
+};
+
+// Everything the resolving kernel reads and writes.
+struct ResolveArgs {
+  const uint32_t* ids;
+  int n, tokens;
+  DevTable t;
+  DevTier tt;
+  int base; // the layer's first key in the tier
+  ExpertCache* cache; // a host pointer, posted with the records to read
+  Mailbox* box;
+  int num_experts, capacity, lru, max_stage;
+  double decay;
+  int64_t record_bytes;
+  uint32_t* out;
+  DevReport* report;
+  int64_t* tier_report;
+  DevRecord* record;
 };
 
 __global__ void export_ids(
@@ -235,52 +305,87 @@ __device__ int lowest_slot(const DevTable& t, int capacity,
   return v;
 }
 
-// ExpertCache::resolve on the device, one block: the routed experts' slots,
-// each miss given the victim the host would choose and queued in the plan
-// for apply_plan (from its fixed tier slot), then the policy's scores.
-__global__ void resolve_on_device(
-    const uint32_t* ids, int n, int tokens, DevTable t, int num_experts,
-    int capacity, int lru, double decay, int max_stage, uint32_t* out,
-    DevReport* report, DevRecord* record) {
-  extern __shared__ unsigned char smem[];
-  double* best_score = reinterpret_cast<double*>(smem);
-  int* best_slot = reinterpret_cast<int*>(best_score + blockDim.x);
-  int* unique = best_slot + blockDim.x; // n
-  int* count = unique + n; // unique, hits, misses, evictions, planned, error
-  unsigned char* keep = reinterpret_cast<unsigned char*>(count + 6);
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    keep[e] = 0;
+// The tier slot HostTier::victim evicts: the oldest stamp among slots that
+// hold a record not used by this call (-1 if none).
+__device__ int oldest_tier_slot(const DevTier& tt, int64_t epoch,
+                                int64_t* best_stamp, int* best_slot) {
+  int64_t stamp = 0;
+  int slot = -1;
+  for (int s = threadIdx.x; s < tt.capacity; s += blockDim.x) {
+    if (tt.key_in[s] >= 0 && tt.held[s] != epoch &&
+        (slot < 0 || tt.stamp[s] < stamp)) {
+      stamp = tt.stamp[s];
+      slot = s;
+    }
+  }
+  best_stamp[threadIdx.x] = stamp;
+  best_slot[threadIdx.x] = slot;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      int o = threadIdx.x + half;
+      int a = best_slot[threadIdx.x], b = best_slot[o];
+      if (b >= 0 && (a < 0 || best_stamp[o] < best_stamp[threadIdx.x] ||
+                     (best_stamp[o] == best_stamp[threadIdx.x] && b < a))) {
+        best_stamp[threadIdx.x] = best_stamp[o];
+        best_slot[threadIdx.x] = b;
+      }
+    }
+    __syncthreads();
+  }
+  int v = best_slot[0];
+  __syncthreads();
+  return v;
+}
+
+// Shared memory of one resolving call.
+struct Shared {
+  double* best_score;
+  int* best_slot;
+  int* unique; // n
+  int* missed; // n: the experts given a slot, in order
+  int* count; // unique, hits, misses, evictions, planned, error, requests,
+              // failed reads, tier hits, tier misses, tier evictions
+  unsigned char* keep; // num_experts
+};
+
+// The routed experts' slots, each miss given the victim the host would
+// choose (ExpertCache::resolve) and queued in the plan for apply_plan.
+__device__ void resolve_slots(const ResolveArgs& a, Shared& m) {
+  const DevTable& t = a.t;
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) {
+    m.keep[e] = 0;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     int nu = 0, error = 0;
-    for (int i = 0; i < n; i++) {
-      uint32_t e = ids[i];
-      if (e >= uint32_t(num_experts)) {
+    for (int i = 0; i < a.n; i++) {
+      uint32_t e = a.ids[i];
+      if (e >= uint32_t(a.num_experts)) {
         error = 1;
         break;
       }
-      if (!keep[e]) {
-        keep[e] = 1;
-        unique[nu++] = int(e);
+      if (!m.keep[e]) {
+        m.keep[e] = 1;
+        m.unique[nu++] = int(e);
       }
     }
-    if (nu > capacity) {
+    if (nu > a.capacity) {
       error = 2;
     }
-    count[0] = error ? 0 : nu;
-    for (int k = 1; k < 5; k++) {
-      count[k] = 0;
+    m.count[0] = error ? 0 : nu;
+    for (int k = 1; k < 11; k++) {
+      m.count[k] = 0;
     }
-    count[5] = error;
+    m.count[5] = error;
   }
   __syncthreads();
-  int nu = count[0];
+  int nu = m.count[0];
   for (int u = 0; u < nu; u++) {
-    int e = unique[u];
+    int e = m.unique[u];
     if (t.slot_of[e] >= 0) { // every thread reads the same: no divergence
       if (threadIdx.x == 0) {
-        count[1] += 1;
+        m.count[1] += 1;
       }
       continue;
     }
@@ -288,7 +393,7 @@ __global__ void resolve_on_device(
     if (*t.free_n > 0) {
       v = t.free_stack[*t.free_n - 1];
     } else {
-      v = lowest_slot(t, capacity, keep, best_score, best_slot);
+      v = lowest_slot(t, a.capacity, m.keep, m.best_score, m.best_slot);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -296,61 +401,202 @@ __global__ void resolve_on_device(
         *t.free_n -= 1;
       } else {
         t.slot_of[t.expert_in[v]] = -1;
-        count[3] += 1;
+        m.count[3] += 1;
       }
       t.expert_in[v] = e;
       t.slot_of[e] = v;
-      count[2] += 1;
-      int j = count[4]++;
+      m.count[2] += 1;
+      int j = m.count[4]++;
+      m.missed[j] = e;
       t.plan->entries[j] = v;
-      t.plan->entries[max_stage + j] = t.tier_slot[e];
     }
     __syncthreads();
   }
-  // ExpertCache::used, in the same double arithmetic (no fused multiply-add)
-  if (lru) {
+}
+
+// Each miss's record in the tier (HostTier::request): a tier hit is used
+// again; a record the tier lacks gets a free slot or the oldest one not held
+// by this call, and goes in the mailbox to be read.
+__device__ void resolve_tier(const ResolveArgs& a, Shared& m, int64_t epoch) {
+  const DevTier& tt = a.tt;
+  volatile int* expert = a.box->entries;
+  volatile int* slot = expert + tt.capacity;
+  int64_t clock = *tt.clock; // thread 0's
+  int nm = m.count[4];
+  for (int j = 0; j < nm; j++) {
+    int key = a.base + m.missed[j];
+    int s = tt.slot_of[key];
+    if (s < 0) {
+      int free_n = *tt.free_n;
+      s = free_n > 0 ? tt.free_stack[free_n - 1]
+                     : oldest_tier_slot(tt, epoch,
+                                        reinterpret_cast<int64_t*>(m.best_score),
+                                        m.best_slot);
+      __syncthreads();
+      if (threadIdx.x == 0 && s < 0) {
+        m.count[5] = 4;
+      } else if (threadIdx.x == 0) {
+        if (free_n > 0) {
+          *tt.free_n = free_n - 1;
+        } else {
+          tt.slot_of[tt.key_in[s]] = -1;
+          m.count[10] += 1;
+        }
+        tt.key_in[s] = key;
+        tt.slot_of[key] = s;
+        int r = m.count[6]++;
+        expert[r] = m.missed[j];
+        slot[r] = s;
+        m.count[9] += 1;
+      }
+    } else if (threadIdx.x == 0) {
+      m.count[8] += 1;
+    }
+    if (threadIdx.x == 0 && s >= 0) {
+      tt.stamp[s] = ++clock;
+      tt.held[s] = epoch;
+      a.t.plan->entries[a.max_stage + j] = s;
+    }
+    __syncthreads();
+    if (m.count[5]) {
+      break;
+    }
+  }
+  if (threadIdx.x == 0) {
+    *tt.clock = clock;
+  }
+}
+
+// Thread 0: post the call's requests and wait until the host has read them
+// (into pinned memory, by threads that wait on nothing of this stream).
+__device__ void read_requests(const ResolveArgs& a, Shared& m) {
+  int r = m.count[6];
+  if (threadIdx.x != 0 || r == 0) {
+    return;
+  }
+  volatile Mailbox* b = a.box;
+  b->cache = a.cache;
+  b->n = r;
+  cuda::atomic_ref<int64_t, cuda::thread_scope_system> posted(a.box->posted);
+  cuda::atomic_ref<int64_t, cuda::thread_scope_system> done(a.box->done);
+  int64_t seq = posted.load(cuda::memory_order_relaxed) + 1;
+  posted.store(seq, cuda::memory_order_release);
+  while (done.load(cuda::memory_order_acquire) != seq) {
+    __nanosleep(200);
+  }
+  m.count[7] = b->failed;
+}
+
+// A failed call as the host's: the tier's failed records leave it
+// (HostTier::wait), every miss leaves its slot (resolve_through_tier).
+__device__ void undo_misses(const ResolveArgs& a, Shared& m) {
+  const DevTier& tt = a.tt;
+  volatile int* slot = a.box->entries + tt.capacity;
+  volatile int* status = slot + tt.capacity;
+  for (int r = 0; r < m.count[6]; r++) {
+    int s = slot[r];
+    if (status[r]) {
+      tt.slot_of[tt.key_in[s]] = -1;
+      tt.key_in[s] = -1;
+      tt.free_stack[(*tt.free_n)++] = s;
+    }
+  }
+  const DevTable& t = a.t;
+  for (int j = 0; j < m.count[4]; j++) {
+    int e = m.missed[j];
+    int v = t.slot_of[e];
+    if (v >= 0) {
+      t.slot_of[e] = -1;
+      t.expert_in[v] = -1;
+      t.free_stack[(*t.free_n)++] = v;
+    }
+  }
+}
+
+// ExpertCache::used, in the same double arithmetic (no fused multiply-add).
+__device__ void use_scores(const ResolveArgs& a, Shared& m) {
+  const DevTable& t = a.t;
+  int nu = m.count[0];
+  if (a.lru) {
     int64_t clock = *t.clock + 1;
     for (int u = threadIdx.x; u < nu; u += blockDim.x) {
-      t.score[unique[u]] = double(clock);
+      t.score[m.unique[u]] = double(clock);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
       *t.clock = clock;
     }
-  } else {
-    double f = 1.0;
-    for (int k = 0; k < tokens; k++) {
-      f = __dmul_rn(f, decay);
-    }
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      t.score[e] = __dmul_rn(t.score[e], f);
-    }
-    __syncthreads();
-    for (int u = threadIdx.x; u < nu; u += blockDim.x) {
-      t.score[unique[u]] = __dadd_rn(t.score[unique[u]], 1.0);
-    }
+    return;
   }
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    uint32_t e = ids[i];
-    out[i] = e < uint32_t(num_experts) && t.slot_of[e] >= 0
-        ? uint32_t(t.slot_of[e])
-        : 0; // in range; an error is raised before the next call
+  double f = 1.0;
+  for (int k = 0; k < a.tokens; k++) {
+    f = __dmul_rn(f, a.decay);
+  }
+  for (int e = threadIdx.x; e < a.num_experts; e += blockDim.x) {
+    t.score[e] = __dmul_rn(t.score[e], f);
+  }
+  __syncthreads();
+  for (int u = threadIdx.x; u < nu; u += blockDim.x) {
+    t.score[m.unique[u]] = __dadd_rn(t.score[m.unique[u]], 1.0);
+  }
+}
+
+// Thread 0: the plan's length, counts so far, the error, the call's record.
+__device__ void report_call(const ResolveArgs& a, Shared& m, bool failed) {
+  a.t.plan->n = failed ? 0 : m.count[4];
+  for (int k = 0; k < 3; k++) {
+    a.t.counts[k] += m.count[1 + k];
+    a.report->counts[k] = a.t.counts[k];
+    a.tt.counts[k] += m.count[8 + k];
+    a.tier_report[k] = a.tt.counts[k];
+  }
+  int error = m.count[5] ? m.count[5] : (m.count[7] ? 3 : 0);
+  if (error) {
+    a.report->error = error;
+  }
+  if (a.record) {
+    a.record->misses = m.count[2];
+    a.record->bytes_read = m.count[6] * a.record_bytes;
+    __threadfence_system();
+    a.record->hits = failed ? -2 : m.count[1];
+  }
+  __threadfence_system();
+}
+
+// ExpertCache::resolve_call through the tier on the device, one block.
+__global__ void resolve_on_device(ResolveArgs a) {
+  extern __shared__ unsigned char smem[];
+  __shared__ int64_t epoch;
+  Shared m;
+  m.best_score = reinterpret_cast<double*>(smem);
+  m.best_slot = reinterpret_cast<int*>(m.best_score + blockDim.x);
+  m.unique = m.best_slot + blockDim.x;
+  m.missed = m.unique + a.n;
+  m.count = m.missed + a.n;
+  m.keep = reinterpret_cast<unsigned char*>(m.count + 12);
+  if (threadIdx.x == 0) {
+    epoch = ++*a.tt.epoch; // HostTier::begin_call: earlier holds end
+  }
+  resolve_slots(a, m);
+  resolve_tier(a, m, epoch);
+  read_requests(a, m);
+  __syncthreads();
+  int error = m.count[5];
+  bool failed = error != 0 || m.count[7] != 0;
+  if (threadIdx.x == 0 && failed && error != 1 && error != 2) {
+    undo_misses(a, m);
+  }
+  if (error != 1 && error != 2) { // those raise before any use
+    use_scores(a, m);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < a.n; i += blockDim.x) {
+    uint32_t e = a.ids[i];
+    a.out[i] = !failed && a.t.slot_of[e] >= 0 ? uint32_t(a.t.slot_of[e])
+                                              : 0; // an error raises next call
   }
   if (threadIdx.x == 0) {
-    t.plan->n = count[4];
-    for (int k = 0; k < 3; k++) {
-      t.counts[k] += count[1 + k];
-      report->counts[k] = t.counts[k];
-    }
-    if (count[5]) {
-      report->error = count[5];
-    }
-    if (record) {
-      record->misses = count[2];
-      __threadfence_system();
-      record->hits = count[1];
-    }
-    __threadfence_system();
+    report_call(a, m, failed);
   }
 }
 
@@ -442,55 +688,157 @@ GpuState& gpu_state(ExpertCache& c) {
 
 } // namespace
 
-// Copies of ExpertCache's table between the host and the device.
+namespace {
+
+// The thread that serves every tier's mailbox: it has the records a kernel
+// posted read on the tier's reader threads, then raises `done`. Process-wide
+// and never destroyed (as the readers are); it holds no tier or cache (a
+// posted call keeps its own alive). It spins for a second after a call is
+// encoded or served, else looks every millisecond: a kernel that waits finds
+// it within that, however late the stream runs.
+struct Service {
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::vector<TierGpu*> tiers;
+  std::atomic<int64_t> busy_until{0}; // steady clock, ns
+  bool started{false};
+};
+
+Service& service() {
+  static auto* s = new Service();
+  return *s;
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void service_busy() {
+  service().busy_until = now_ns() + 1000000000;
+  service().wake.notify_one();
+}
+
+void service_loop();
+
+void service_register(TierGpu* tg) {
+  auto& sv = service();
+  std::lock_guard<std::mutex> lock(sv.mutex);
+  sv.tiers.push_back(tg);
+  if (!sv.started) {
+    sv.started = true;
+    std::thread(service_loop).detach();
+  }
+  sv.wake.notify_one();
+}
+
+void service_unregister(TierGpu* tg) {
+  auto& sv = service();
+  std::lock_guard<std::mutex> lock(sv.mutex);
+  std::erase(sv.tiers, tg);
+}
+
+} // namespace
+
+TierGpu::~TierGpu() {
+  if (box) { // registered with the service
+    service_unregister(this);
+    cudaFreeHost(box);
+    cudaFreeHost(report);
+  }
+  cudaFree(table_memory);
+}
+
+// Copies of ExpertCache's and HostTier's tables between the host and the
+// device, and the reads the device asks for.
 struct GpuAccess {
   // Whether this layer's calls resolve on the device, decided at its first
-  // call for good: the tier holds each of its records for good, the layer
-  // reads nothing ahead for the next one, and the cache allows it.
+  // call for good: the cache allows it and no layer of its tier reads ahead
+  // (the tier's first such decision holds for all its layers).
   static bool device_mode(ExpertCache& c, GpuState& g) {
     if (g.device_mode < 0) {
-      std::vector<int> tier_slot;
-      bool on = c.device_resolve && !c.next() &&
-          c.tier()->fixed_slots(c.tier_base_, c.num_experts, tier_slot);
+      HostTier& t = *c.tier();
+      if (!t.gpu) {
+        t.gpu = std::make_shared<TierGpu>();
+        t.gpu->tier = &t;
+      }
+      TierGpu& tg = *t.gpu;
+      bool on = c.device_resolve && !t.reads_ahead && !c.next();
+      if (tg.mode < 0) {
+        if (on) {
+          allocate_tier(tg);
+        }
+        tg.mode = on;
+      } else if (tg.mode == 1 && !on) {
+        throw std::runtime_error(
+            "the layers of one host tier must all resolve on the device or "
+            "none; give them one device_resolve");
+      }
+      on = on && tg.mode == 1;
       if (on) {
-        allocate(c, g, tier_slot);
+        allocate(c, g);
       }
       g.device_mode = on;
     }
-    return g.device_mode == 1; // a prediction has nothing left to read
+    return g.device_mode == 1;
   }
 
-  static void allocate(ExpertCache& c, GpuState& g,
-                       const std::vector<int>& tier_slot) {
+  template <typename T>
+  static T* take(uint8_t*& p, size_t n) {
+    auto* q = p;
+    p += (n * sizeof(T) + 7) / 8 * 8;
+    return reinterpret_cast<T*>(q);
+  }
+
+  static void allocate(ExpertCache& c, GpuState& g) {
     int E = c.num_experts, C = c.capacity;
     size_t bytes = sizeof(double) * E + sizeof(int64_t) * 4 +
-        sizeof(int) * (3 * E + 2 * C + 1) + sizeof(int) * (2 * g.max_stage + 1) +
+        sizeof(int) * (2 * E + 2 * C + 1) + sizeof(int) * (2 * g.max_stage + 1) +
         64;
-    uint8_t* base = nullptr;
-    check(cudaMalloc(&base, bytes), "cudaMalloc");
-    g.table_memory = base;
+    uint8_t* p = nullptr;
+    check(cudaMalloc(&p, bytes), "cudaMalloc");
+    g.table_memory = p;
     auto& t = g.table;
-    auto* p = base;
-    auto take = [&](size_t n) {
-      auto* q = p;
-      p += (n + 7) / 8 * 8;
-      return q;
-    };
-    t.score = reinterpret_cast<double*>(take(sizeof(double) * E));
-    t.clock = reinterpret_cast<int64_t*>(take(sizeof(int64_t)));
-    t.counts = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * 3));
-    t.slot_of = reinterpret_cast<int*>(take(sizeof(int) * E));
-    t.tier_slot = reinterpret_cast<int*>(take(sizeof(int) * E));
-    t.expert_in = reinterpret_cast<int*>(take(sizeof(int) * C));
-    t.free_stack = reinterpret_cast<int*>(take(sizeof(int) * C));
-    t.free_n = reinterpret_cast<int*>(take(sizeof(int)));
-    t.plan = reinterpret_cast<Plan*>(take(sizeof(int) * (2 * g.max_stage + 1)));
+    t.score = take<double>(p, E);
+    t.clock = take<int64_t>(p, 1);
+    t.counts = take<int64_t>(p, 3);
+    t.slot_of = take<int>(p, E);
+    t.expert_in = take<int>(p, C);
+    t.free_stack = take<int>(p, C);
+    t.free_n = take<int>(p, 1);
+    t.plan = reinterpret_cast<Plan*>(take<int>(p, 2 * g.max_stage + 1));
     check(cudaMemset(t.counts, 0, sizeof(int64_t) * 3), "cudaMemset");
-    check(cudaMemcpy(t.tier_slot, tier_slot.data(), sizeof(int) * E,
-                     cudaMemcpyHostToDevice),
-          "cudaMemcpy");
     g.report = pinned<DevReport>(1);
     *g.report = DevReport{};
+  }
+
+  static void allocate_tier(TierGpu& tg) {
+    HostTier& h = *tg.tier;
+    int64_t K = h.slot_of_.size(), C = h.capacity;
+    size_t bytes = sizeof(int) * (K + 2 * C + 1) + sizeof(int64_t) * (2 * C + 5) +
+        64;
+    uint8_t* p = nullptr;
+    check(cudaMalloc(&p, bytes), "cudaMalloc");
+    check(cudaMemset(p, 0, bytes), "cudaMemset");
+    tg.table_memory = p;
+    auto& t = tg.table;
+    t.stamp = take<int64_t>(p, C);
+    t.held = take<int64_t>(p, C);
+    t.clock = take<int64_t>(p, 1);
+    t.epoch = take<int64_t>(p, 1);
+    t.counts = take<int64_t>(p, 3);
+    t.slot_of = take<int>(p, K);
+    t.key_in = take<int>(p, C);
+    t.free_stack = take<int>(p, C);
+    t.free_n = take<int>(p, 1);
+    t.capacity = int(C);
+    tg.box = reinterpret_cast<Mailbox*>(
+        pinned<uint8_t>(sizeof(Mailbox) + sizeof(int) * 3 * C));
+    *tg.box = Mailbox{};
+    tg.report = pinned<int64_t>(3);
+    std::fill(tg.report, tg.report + 3, 0);
+    service_register(&tg);
   }
 
   // The host's table to the device (the device's copy is not in use).
@@ -500,9 +848,6 @@ struct GpuAccess {
     int free_n = int(c.free_.size());
     std::vector<int> free_stack(c.free_.begin(), c.free_.end());
     free_stack.resize(C, -1);
-    auto up = [](void* dst, const void* src, size_t n) {
-      check(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "cudaMemcpy");
-    };
     up(t.slot_of, c.slot_of_.data(), sizeof(int) * E);
     up(t.expert_in, c.expert_in_.data(), sizeof(int) * C);
     up(t.score, c.score_.data(), sizeof(double) * E);
@@ -512,14 +857,18 @@ struct GpuAccess {
     c.device_owned = true;
   }
 
+  static void up(void* dst, const void* src, size_t n) {
+    check(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+
+  static void down(void* dst, const void* src, size_t n) {
+    check(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  }
+
   // The device's table to the host, once every call on it has run.
   static void pull(ExpertCache& c, GpuState& g) {
     auto& t = g.table;
     int E = c.num_experts, C = c.capacity;
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    auto down = [](void* dst, const void* src, size_t n) {
-      check(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "cudaMemcpy");
-    };
     int free_n = 0;
     std::vector<int> free_stack(C);
     down(c.slot_of_.data(), t.slot_of, sizeof(int) * E);
@@ -532,37 +881,161 @@ struct GpuAccess {
     c.device_owned = false;
   }
 
+  // The tier's table to the device, once no read is in flight. A record
+  // whose read failed leaves the tier (as its next request would have it).
+  static void push_tier(TierGpu& tg) {
+    HostTier& h = *tg.tier;
+    h.drain();
+    std::lock_guard<std::mutex> lock(h.mutex_);
+    int64_t K = h.slot_of_.size(), C = h.capacity;
+    std::vector<int> slot_of(K, -1), key_in(C, -1);
+    std::vector<int> free_stack(h.free_.begin(), h.free_.end());
+    for (int64_t s = 0; s < C; s++) {
+      if (h.state_[s] == HostTier::Ready) {
+        key_in[s] = int(h.key_in_[s]);
+        slot_of[h.key_in_[s]] = int(s);
+      } else if (h.state_[s] == HostTier::Failed) {
+        free_stack.push_back(int(s));
+      }
+    }
+    int free_n = int(free_stack.size());
+    free_stack.resize(C, -1);
+    std::vector<int64_t> held(C, 0);
+    auto& t = tg.table;
+    up(t.slot_of, slot_of.data(), sizeof(int) * K);
+    up(t.key_in, key_in.data(), sizeof(int) * C);
+    up(t.stamp, h.stamp_.data(), sizeof(int64_t) * C);
+    up(t.held, held.data(), sizeof(int64_t) * C);
+    up(t.free_stack, free_stack.data(), sizeof(int) * C);
+    up(t.free_n, &free_n, sizeof(int));
+    up(t.clock, &h.clock_, sizeof(int64_t));
+    tg.device_owned = true;
+  }
+
+  // The device's tier table to the host, once every call on it has run.
+  static void pull_tier(TierGpu& tg) {
+    HostTier& h = *tg.tier;
+    auto& t = tg.table;
+    int64_t K = h.slot_of_.size(), C = h.capacity;
+    std::vector<int> slot_of(K), key_in(C), free_stack(C);
+    int free_n = 0;
+    std::lock_guard<std::mutex> lock(h.mutex_);
+    down(slot_of.data(), t.slot_of, sizeof(int) * K);
+    down(key_in.data(), t.key_in, sizeof(int) * C);
+    down(h.stamp_.data(), t.stamp, sizeof(int64_t) * C);
+    down(free_stack.data(), t.free_stack, sizeof(int) * C);
+    down(&free_n, t.free_n, sizeof(int));
+    down(&h.clock_, t.clock, sizeof(int64_t));
+    h.slot_of_.assign(slot_of.begin(), slot_of.end());
+    for (int64_t s = 0; s < C; s++) {
+      h.key_in_[s] = key_in[s];
+      h.state_[s] = key_in[s] >= 0 ? HostTier::Ready : HostTier::Empty;
+      h.error_[s].clear();
+      h.held_[s] = 0;
+    }
+    h.held_list_.clear();
+    h.free_.assign(free_stack.begin(), free_stack.begin() + free_n);
+    tg.device_owned = false;
+  }
+
+  // The records a kernel posted, read on the tier's reader threads (this
+  // thread reads too), then `done` raised: the kernel goes on.
+  static void serve(TierGpu& tg, int64_t seq) {
+    Mailbox* b = tg.box;
+    HostTier* h = tg.tier;
+    ExpertCache* cache = b->cache;
+    int capacity = tg.table.capacity, n = b->n;
+    int* expert = b->entries;
+    int* slot = expert + capacity;
+    int* status = slot + capacity;
+    struct Left {
+      std::mutex mutex;
+      std::condition_variable done;
+      int n;
+    };
+    auto left = std::make_shared<Left>();
+    left->n = n;
+    for (int i = 0; i < n; i++) {
+      submit_read([=] {
+        int failed = 0;
+        try {
+          cache->read_record(expert[i], h->data + slot[i] * h->record_bytes);
+        } catch (const std::exception& e) {
+          failed = 1;
+          cache->set_error(e.what());
+        }
+        status[i] = failed;
+        std::lock_guard<std::mutex> lock(left->mutex);
+        if (--left->n == 0) {
+          left->done.notify_all();
+        }
+      }, true, h->readers_);
+    }
+    while (run_routed_read()) {
+    }
+    {
+      std::unique_lock<std::mutex> lock(left->mutex);
+      left->done.wait(lock, [&] { return left->n == 0; });
+    }
+    int failed = 0;
+    for (int i = 0; i < n; i++) {
+      failed += status[i];
+    }
+    b->failed = failed;
+    std::atomic_ref<int64_t>(b->done).store(seq, std::memory_order_seq_cst);
+    tg.served = seq;
+  }
+
   // Counts and records of the calls that have run, and the error flag.
   static void collect(ExpertCache& c, GpuState& g) {
     int64_t now[3];
     for (int k = 0; k < 3; k++) {
       now[k] = reinterpret_cast<volatile int64_t*>(g.report->counts)[k];
     }
-    int64_t hits = now[0] - g.taken[0], misses = now[1] - g.taken[1];
-    c.counters.hits += hits;
-    c.counters.misses += misses;
+    c.counters.hits += now[0] - g.taken[0];
+    c.counters.misses += now[1] - g.taken[1];
     c.counters.evictions += now[2] - g.taken[2];
-    c.tier()->counters.hits += misses; // each fill a record of the tier
     std::copy(now, now + 3, g.taken);
     int error = reinterpret_cast<volatile int*>(&g.report->error)[0];
     if (error) {
       g.report->error = 0;
-      c.set_error(error == 1 ? "routed expert id out of range"
-                             : "more routed experts than slots in one call");
+      if (error != 3) { // a read's error: its words are set already
+        c.set_error(error == 1   ? "routed expert id out of range"
+                        : error == 2 ? "more routed experts than slots in one call"
+                                     : "the host tier holds fewer records than "
+                                       "one call needs; give a larger host budget");
+      }
     }
     std::lock_guard<std::mutex> lock(g.records_mutex);
     while (!g.pending.empty()) {
       auto [call, r] = g.pending.front();
-      if (reinterpret_cast<volatile int64_t*>(&r->hits)[0] < 0) {
+      int64_t hits = reinterpret_cast<volatile int64_t*>(&r->hits)[0];
+      if (hits == -1) {
         break; // not run yet, nor any after it
       }
-      CallRecord record{call};
-      record.hits = r->hits;
-      record.misses = r->misses;
-      c.add_record(std::move(record));
+      if (hits >= 0) { // -2: the call failed, and keeps no record
+        CallRecord record{call};
+        record.hits = hits;
+        record.misses = r->misses;
+        record.bytes_read = r->bytes_read;
+        c.add_record(std::move(record));
+      }
       g.spare.push_back(r);
       g.pending.pop_front();
     }
+  }
+
+  // The tier's counts of the calls that have run.
+  static void collect_tier(TierGpu& tg) {
+    auto& k = tg.tier->counters;
+    int64_t now[3];
+    for (int i = 0; i < 3; i++) {
+      now[i] = reinterpret_cast<volatile int64_t*>(tg.report)[i];
+    }
+    k.hits += now[0] - tg.taken[0];
+    k.misses += now[1] - tg.taken[1];
+    k.evictions += now[2] - tg.taken[2];
+    std::copy(now, now + 3, tg.taken);
   }
 
   // A pinned record for the call being encoded, marked not run.
@@ -579,6 +1052,7 @@ struct GpuAccess {
     auto* r = g.spare.back();
     g.spare.pop_back();
     r->misses = 0;
+    r->bytes_read = 0;
     r->hits = -1;
     g.pending.push_back({call, r});
     return r;
@@ -586,37 +1060,121 @@ struct GpuAccess {
 
   static void encode(ExpertCache& c, GpuState& g, cu::CommandEncoder& enc,
                      const mx::array& inds, mx::array& out, int64_t call) {
+    TierGpu& tg = *c.tier()->gpu;
+    if (!tg.device_owned) {
+      push_tier(tg); // a host-side load changed it, or the first call
+    }
     if (!c.device_owned) {
       push(c, g); // the host changed it (a load) since the device last did
     }
     int64_t n = inds.size();
-    int tokens = int(n / std::max<int64_t>(1, inds.shape(-1)));
     c.counters.calls += 1;
     c.counters.device_calls += 1;
-    DevRecord* rec = c.recording_ && call >= 0 ? record(g, call) : nullptr;
+    ResolveArgs a{};
+    a.ids = mlx::core::gpu_ptr<uint32_t>(inds);
+    a.n = int(n);
+    a.tokens = int(n / std::max<int64_t>(1, inds.shape(-1)));
+    a.t = g.table;
+    a.tt = tg.table;
+    a.base = int(c.tier_base());
+    a.cache = &c;
+    a.box = tg.box;
+    a.num_experts = c.num_experts;
+    a.capacity = c.capacity;
+    a.lru = int(c.lru_);
+    a.max_stage = g.max_stage;
+    a.decay = c.decay_;
+    a.record_bytes = c.record_nbytes;
+    a.out = mlx::core::gpu_ptr<uint32_t>(out);
+    a.report = g.report;
+    a.tier_report = tg.report;
+    a.record = c.recording_ && call >= 0 ? record(g, call) : nullptr;
     enc.set_input_array(inds);
     enc.set_output_array(out);
     int threads = 256;
     uint32_t smem = threads * (sizeof(double) + sizeof(int)) +
-        sizeof(int) * (n + 6) + c.num_experts;
-    enc.add_kernel_node_ex(
-        kernels().resolve_on_device, dim3(1), dim3(threads), dim3(), smem,
-        mlx::core::gpu_ptr<uint32_t>(inds), int(n), tokens, g.table,
-        c.num_experts, c.capacity, int(c.lru_), c.decay_, g.max_stage,
-        mlx::core::gpu_ptr<uint32_t>(out), g.report, rec);
+        sizeof(int) * (2 * n + 12) + c.num_experts;
+    service_busy();
+    enc.add_kernel_node_ex(kernels().resolve_on_device, dim3(1), dim3(threads),
+                           dim3(), smem, a);
   }
 };
 
+namespace {
+
+void service_loop_body(Service& sv) {
+  TierGpu* found = nullptr;
+  int64_t seq = 0;
+  {
+    std::unique_lock<std::mutex> lock(sv.mutex);
+    if (sv.tiers.empty()) {
+      sv.wake.wait(lock);
+      return;
+    }
+    for (auto* tg : sv.tiers) {
+      seq = std::atomic_ref<int64_t>(tg->box->posted).load(
+          std::memory_order_acquire);
+      if (seq != tg->served) {
+        found = tg;
+        break;
+      }
+    }
+    if (!found && now_ns() > sv.busy_until) {
+      sv.wake.wait_for(lock, std::chrono::milliseconds(1));
+      return;
+    }
+  }
+  if (found) { // its call is in flight: the tier and cache are alive
+    GpuAccess::serve(*found, seq);
+    sv.busy_until = now_ns() + 1000000000;
+  } else {
+    std::this_thread::yield();
+  }
+}
+
+void service_loop() {
+  auto& sv = service();
+  while (true) {
+    service_loop_body(sv);
+  }
+}
+} // namespace
+
 void gpu_sync_host(ExpertCache& c) {
-  if (c.gpu && c.device_owned) {
+  bool layer = c.gpu && c.device_owned;
+  TierGpu* tg = c.tier() ? c.tier()->gpu.get() : nullptr;
+  bool tier = tg && tg->device_owned;
+  if (!layer && !tier) {
+    return;
+  }
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (layer) {
     GpuAccess::pull(c, *c.gpu);
     GpuAccess::collect(c, *c.gpu);
+  }
+  if (tier) {
+    GpuAccess::pull_tier(*tg);
+    GpuAccess::collect_tier(*tg);
   }
 }
 
 void gpu_collect(ExpertCache& c) {
   if (c.gpu && c.gpu->device_mode == 1) {
     GpuAccess::collect(c, *c.gpu);
+  }
+}
+
+void gpu_tier_collect(HostTier& t) {
+  if (t.gpu && t.gpu->mode == 1) {
+    GpuAccess::collect_tier(*t.gpu);
+  }
+}
+
+void gpu_tier_sync_host(HostTier& t) {
+  if (t.gpu && t.gpu->device_owned) {
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    GpuAccess::pull_tier(*t.gpu);
+    GpuAccess::collect_tier(*t.gpu);
   }
 }
 

@@ -87,10 +87,14 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void bind(std::vector<mx::array> slots, bool on_gpu);
   void chain(std::shared_ptr<ExpertCache> next) {
     next_ = std::move(next);
+    if (tier_) {
+      tier_->reads_ahead = true;
+    }
   }
   // Read misses through `tier` (its readers, in parallel) from now on.
   void attach(std::shared_ptr<HostTier> tier) {
     tier_base_ = tier->add_layer(num_experts);
+    tier->reads_ahead = tier->reads_ahead || next_;
     tier_ = std::move(tier);
   }
   HostTier* tier() const {
@@ -146,10 +150,14 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   bool on_gpu{false};
   std::vector<Segment> segments;
   std::shared_ptr<GpuState> gpu; // made by the first GPU fetch
-  // On a GPU with a host tier that holds this layer's records for good:
-  // resolve each call's slots in a kernel, from a copy of the slot table on
-  // the device, instead of in a host function of the stream.
+  // On a GPU, unless a layer of the host tier reads ahead into it: resolve
+  // each call's slots and tier records in a kernel, from copies of the slot
+  // table and the tier's table on the device, instead of in a host function
+  // of the stream; only records absent from the tier wait on the host.
   bool device_resolve{true};
+  int64_t tier_base() const {
+    return tier_base_;
+  }
   // The device's copy of the table is the current one (a kernel resolved
   // since the host last did): the host's is stale until gpu_sync_host.
   bool device_owned{false};
@@ -237,6 +245,10 @@ void gpu_sync_host(ExpertCache& cache);
 // Fold in what the device counted and recorded for calls that have run, and
 // its error, if any. Both do nothing where the device has not resolved.
 void gpu_collect(ExpertCache& cache);
+// The tier's counts from the device into its counters; its table back to
+// the host (`table`). Both do nothing where no kernel resolves its records.
+void gpu_tier_collect(HostTier& tier);
+void gpu_tier_sync_host(HostTier& tier);
 bool built_with_cuda();
 
 } // namespace moestream

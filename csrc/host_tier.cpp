@@ -53,20 +53,9 @@ bool HostTier::holds(int64_t key) {
   return slot_of_[key] >= 0;
 }
 
-bool HostTier::fixed_slots(int64_t base, int n, std::vector<int>& slots) {
+std::vector<int64_t> HostTier::keys() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (capacity < int64_t(slot_of_.size())) {
-    return false;
-  }
-  slots.assign(n, -1);
-  for (int e = 0; e < n; e++) {
-    int64_t s = slot_of_[base + e];
-    if (s < 0 || state_[s] != Ready) {
-      return false;
-    }
-    slots[e] = int(s);
-  }
-  return true;
+  return key_in_;
 }
 
 int64_t HostTier::victim(std::unique_lock<std::mutex>& lock, bool wait) {

@@ -18,6 +18,7 @@
 namespace moestream {
 
 class ExpertCache;
+struct TierGpu; // CUDA side: the tier's table on the device (cuda_fetch.cu)
 
 struct TierCounters {
   // hits: routed records found read; late: found still being read ahead;
@@ -55,14 +56,19 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   // The record in `slot` once read (rethrows its read error).
   const uint8_t* wait(int64_t slot, int64_t key);
   bool holds(int64_t key);
-  // The slots of keys base .. base + n - 1 if they are all read and stay
-  // there for good (the tier has a record for every key, so never evicts).
-  bool fixed_slots(int64_t base, int n, std::vector<int>& slots);
+  // The key in each slot (-1: empty), for tests that compare two tiers.
+  std::vector<int64_t> keys();
 
   const int64_t capacity, record_bytes;
   const bool pinned;
   uint8_t* data{nullptr};
   TierCounters counters;
+  // A layer of this tier reads ahead into it (ExpertCache::chain): then no
+  // layer of it resolves on the device (that tier's table stays the host's).
+  bool reads_ahead{false};
+  // On a GPU whose kernels resolve the tier's records: its table there,
+  // current when `gpu->device_owned` (cuda_fetch.cu); else null.
+  std::shared_ptr<TierGpu> gpu;
 
  private:
   enum State : uint8_t { Empty, Loading, Ready, Failed };
@@ -82,6 +88,8 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   std::vector<int64_t> held_list_, free_;
   int64_t clock_{0}, loading_{0};
   int readers_;
+
+  friend struct GpuAccess; // cuda_fetch.cu: the table's device copy
 };
 
 // The reader threads every tier shares, `threads` at least from now on.

@@ -26,6 +26,10 @@ void gpu_sync_host(ExpertCache&) {} // nothing resolves on a device here
 
 void gpu_collect(ExpertCache&) {}
 
+void gpu_tier_collect(HostTier&) {}
+
+void gpu_tier_sync_host(HostTier&) {}
+
 uint8_t* pinned_alloc(size_t) {
   no_cuda();
 }

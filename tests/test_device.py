@@ -4,18 +4,25 @@ Marked `device`: skipped where MLX has no GPU. The same comparisons as
 test_exactness.py, pinned to the GPU: streaming vs mlx-lm's resident model,
 prefill and step-by-step decode, at several cache sizes and compute dtypes
 (float16 slots cast from the stored bfloat16 on the device);
-the resident model against itself (GPU kernels deterministic), and prefetch.
+the resident model against itself (GPU kernels deterministic), and prefetch;
+the device kernel that resolves slots and host tier records against the host
+function (with a tier of every record and with one that evicts), read
+errors on both.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import mlx.core as mx
 import pytest
-from helpers import PROMPT, logits_stepwise
+from helpers import PROMPT, corrupt_layer, logits_stepwise
+from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
 from moestream.formats import load_manifest
 from moestream.reference import resident_from_converted, resident_model
+from moestream.runtime import ExpertReadError
 
 pytestmark = [
     pytest.mark.device,
@@ -56,16 +63,24 @@ def test_resident_deterministic_and_prefetch_exact_on_gpu(converted):
 
 
 @pytest.mark.parametrize(
-    "cache_experts, host_records, device_resolve",
-    [(2, None, True), (5, None, True), (5, None, False), (3, 4, True)],
+    "cache_experts, host_records, device_resolve, prefetch",
+    [
+        (2, None, True, None),
+        (5, None, True, None),
+        (5, None, False, None),
+        (3, 4, True, False),
+        (3, 4, True, True),
+        (3, 4, False, False),
+    ],
 )
 def test_native_engine_exact_on_gpu(
-    converted, hf_dir, recipe, cache_experts, host_records, device_resolve
+    converted, hf_dir, recipe, cache_experts, host_records, device_resolve, prefetch
 ):
-    """The CUDA engine: slots resolved by a kernel (a tier of every record,
-    read at load) or by a host function of the stream (asked, or a tier of 4
-    records that evicts), misses copied from the pinned host tier over the
-    bus; the 48-token prompt runs grouped."""
+    """The CUDA engine: slots and tier records resolved by a kernel (a tier of
+    every record, read at load, or of 4 records that evicts, the kernel asking
+    the host for the records it lacks) or by a host function of the stream
+    (asked, or a layer reads ahead), misses copied from the pinned host tier
+    over the bus; the 48-token prompt runs grouped."""
     ref = resident_model(hf_dir, recipe, compute_dtype="bfloat16")  # GPU's auto
     theirs = logits_stepwise(ref, PROMPT, DECODE_STEPS)
     layers = load_manifest(converted).layers
@@ -79,6 +94,7 @@ def test_native_engine_exact_on_gpu(
         host_budget=budget,
         dtype="bfloat16",
         device_resolve=device_resolve,
+        prefetch=prefetch,
     )
     ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
@@ -90,16 +106,25 @@ def test_native_engine_exact_on_gpu(
         assert s.host_hits == s.misses and s.host_misses == 0
     else:
         assert s.host_misses > 0 and s.host_evictions > 0
-    on_device = device_resolve and host_records is None
+    on_device = device_resolve and not prefetch
     assert s.device_calls == (s.native_calls if on_device else 0)
 
 
+@pytest.mark.parametrize("host_records", [None, 5], ids=["tier-all", "tier-5"])
 @pytest.mark.parametrize("policy", ["lrfu", "lru"])
-def test_device_resolve_makes_the_host_functions_choices(converted, policy):
-    """The kernel that resolves slots on the device chooses as the host
-    function does: the same logits, counters, per-call records and final slot
-    tables, through two prompts (grouped prefills, whose host-side loads take
-    the table back from the device) each followed by decode steps."""
+def test_device_resolve_makes_the_host_functions_choices(
+    converted, policy, host_records
+):
+    """The kernel that resolves slots and host tier records on the device
+    chooses as the host function does: the same logits, counters, per-call
+    records, final slot tables and tier table, through two prompts (grouped
+    prefills, whose host-side loads take the tables back from the device)
+    each followed by decode steps; with a tier of every record, and with a
+    tier of 5 records whose misses the kernel has the host read."""
+    budget = None
+    if host_records is not None:
+        layers = load_manifest(converted).layers
+        budget = host_records * max(layer.record_nbytes for layer in layers)
     runs = {}
     for on in (True, False):
         model, _ = moestream.load(
@@ -110,6 +135,8 @@ def test_device_resolve_makes_the_host_functions_choices(converted, policy):
             policy=policy,
             record_trace=True,
             device_resolve=on,
+            host_budget=budget,
+            prefetch=False,
         )
         logits = logits_stepwise(model, PROMPT, DECODE_STEPS)
         logits += logits_stepwise(model, PROMPT[:, ::-1], DECODE_STEPS)
@@ -119,8 +146,11 @@ def test_device_resolve_makes_the_host_functions_choices(converted, policy):
             for e in s.events
         ]
         s.collect()
-        counts = (s.hits, s.misses, s.evictions, s.host_hits, s.host_misses)
+        counts = (s.hits, s.misses, s.evictions, s.bytes_read)
+        counts += (s.host_hits, s.host_misses, s.host_evictions)
         tables = [cache.table() for cache in s.native_layers.values()]
+        (tier,) = [n for n in s.native if type(n).__name__ == "HostTier"]
+        tables.append(tier.keys())
         runs[on] = (logits, events, counts, tables, s.device_calls, s.native_calls)
     (logits, events, counts, tables, device_calls, calls), off = runs[True], runs[False]
     assert device_calls == calls > 0 and off[4] == 0
@@ -128,4 +158,41 @@ def test_device_resolve_makes_the_host_functions_choices(converted, policy):
         assert mx.array_equal(a, b).item()
     assert events == off[1] and all(h is not None for *_, h, _ in events)
     assert counts == off[2] and counts[2] > 0  # it evicted
+    if host_records is not None:  # the tier read records and evicted some
+        assert counts[5] > 0 and counts[6] > 0
     assert tables == off[3]
+
+
+@pytest.mark.parametrize("device_resolve", [True, False])
+def test_read_error_in_a_device_resolved_call(
+    converted, tmp_path, hf_dir, recipe, device_resolve
+):
+    """A record that fails its checksum while decoding with a tier of 5
+    records: the kernel's read request fails as the host function's read
+    does (ExpertReadError at the layer's next call, the same words), and
+    once the blob is back the model is exact again."""
+    copy = tmp_path / "model"
+    shutil.copytree(converted, copy)
+    layers = load_manifest(copy).layers
+    budget = 5 * max(layer.record_nbytes for layer in layers)
+    model, _ = moestream.load(
+        copy,
+        cache_experts=3,
+        engine="native",
+        dtype="bfloat16",
+        host_budget=budget,
+        prefetch=False,
+        device_resolve=device_resolve,
+    )
+    original = corrupt_layer(copy, layers[0])  # nothing read yet
+    cache = make_prompt_cache(model)
+    with pytest.raises(ExpertReadError, match=r"of layer 0 .* fails its"):
+        for t in range(8):  # decode calls: no host-side load
+            mx.eval(model(PROMPT[:, t : t + 1], cache=cache))
+    (copy / layers[0].file).write_bytes(original)
+    assert (moestream.stats(model).device_calls > 0) == device_resolve
+    ref = resident_model(hf_dir, recipe, compute_dtype="bfloat16")
+    theirs = logits_stepwise(ref, PROMPT, DECODE_STEPS)
+    ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
+    for a, b in zip(ours, theirs, strict=True):
+        assert mx.array_equal(a, b).item()

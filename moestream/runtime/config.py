@@ -42,8 +42,10 @@ class RuntimeConfig:
         router applied to this layer's input and reads the missing ones ahead
         (into the host tier, else as kernel readahead). None: on with the
         native engine, unless the host tier holds every record (read at load,
-        so nothing is left to read ahead). The python engine measured 2-6 %
-        slower with it, warm and cold (README), and has none.
+        so nothing is left to read ahead) or it is a GPU's with
+        device_resolve (a layer that reads ahead resolves in a host
+        function). The python engine measured 2-6 % slower with it, warm and
+        cold (README), and has none.
     prefetch_extra: predict this many experts beyond the router's top-k: more
         recall for some wasted reads.
     whole_calls: a prefill that routes to more experts than slots runs each
@@ -67,11 +69,12 @@ class RuntimeConfig:
         available at load, else that half. On a CPU: none unless given (the
         page cache is the host tier there).
     readers: reader threads of the host tier (shared by every loaded model).
-    device_resolve: the native engine on a GPU, in a layer whose records the
-        host tier holds for good (read at load) and that reads nothing ahead:
-        a kernel resolves each call's slots from the device's copy of the
-        slot table, so the CUDA stream never waits on the host. False: a host
-        function in the stream resolves them, as with any other tier.
+    device_resolve: the native engine on a GPU, unless a layer reads ahead
+        into the host tier: a kernel resolves each call's slots and host tier
+        records from the device's copies of the slot table and the tier's
+        table, so the CUDA stream waits on the host only for records the tier
+        lacks (posted to a host thread that has them read). False: a host
+        function in the stream resolves every call (the reference path).
     concurrency: sequences decoded at once (a server's batch): the KV cache and
         activations are sized for that many, and each layer needs at least
         min(experts, concurrency x top-k) slots, as a batch's decode step routes
