@@ -26,6 +26,7 @@ FOREIGN = {
     "force-reinstall", "no-deps", "no-build-isolation",  # pip
     "hosts", "backend", "add-host",  # mlx.launch, docker
     "model", "q-bits", "hf-path", "mlx-path",  # mlx-lm's commands
+    "n-cpu-moe",  # llama.cpp
     "budget", "cold", "steps", "warmup", "rounds", "recipes", "layout", "layers",
     "bench",  # scripts/mode_ab.py, forecast_check.py, synthetic_hf.py, ...
 }  # fmt: skip
