@@ -53,6 +53,15 @@ bool HostTier::holds(int64_t key) {
   return slot_of_[key] >= 0;
 }
 
+int64_t HostTier::filled() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t n = 0;
+  for (int64_t key : key_in_) {
+    n += key >= 0;
+  }
+  return n;
+}
+
 bool HostTier::fixed_slots(int64_t base, int n, std::vector<int>& slots) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (capacity < int64_t(slot_of_.size())) {

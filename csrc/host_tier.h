@@ -55,6 +55,8 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   // The record in `slot` once read (rethrows its read error).
   const uint8_t* wait(int64_t slot, int64_t key);
   bool holds(int64_t key);
+  // Records held or being read (the page's tier fill, moestream/web).
+  int64_t filled();
   // The slots of keys base .. base + n - 1 if they are all read and stay
   // there for good (the tier has a record for every key, so never evicts).
   bool fixed_slots(int64_t base, int n, std::vector<int>& slots);
