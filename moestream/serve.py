@@ -36,6 +36,7 @@ from mlx_lm.server import (
 )
 from mlx_lm.utils import load_config
 
+from . import web
 from .errors import user_errors
 from .families import get_family
 from .options import CONTEXT, engine_options, logging_options
@@ -64,6 +65,7 @@ PATHS = (
     "/v1/models",
     "/health",
     "/metrics",
+    *web.PATHS,
 )
 
 
@@ -449,6 +451,8 @@ class StreamingAPIHandler(APIHandler):
         path = self.path.partition("?")[0]
         if path == "/metrics":
             self._send_text(self.server_state.metrics_text())
+        elif web.answer(self, self.server_state, self.server_state.closing):
+            pass  # the page, /stats and /stats/stream
         elif path.rstrip("/") == "/v1/models":
             self._send_json(200, {"object": "list", "data": [self._model_card()]})
         elif path.startswith("/v1/models/"):
@@ -513,12 +517,13 @@ class Server:
     ) -> None:
         self.directory = Path(directory)
         self.options = options or ServerOptions()
-        self.rank = 0
+        self.rank, self.ranks = 0, 1
+        self.closing = threading.Event()  # ends the page's stats streams
         if pipeline:  # one rank of mlx.launch: plan this rank's layers
             from .pipeline import init, shard, stages, together
 
             group, cfg = init(), config or RuntimeConfig()
-            self.rank = group.rank()
+            self.rank, self.ranks = group.rank(), group.size()
             mine = together(group, lambda: stages(directory, group.size(), cfg))
             cut = shard(mine[self.rank])
             self.plan = together(
@@ -615,6 +620,7 @@ class Server:
 
     def close(self) -> None:
         """Stop answering, finish the generation thread, free the model."""
+        self.closing.set()
         if self._thread is not None and self.httpd is not None:
             self.httpd.shutdown()
             self._thread.join(timeout=10)
@@ -702,6 +708,7 @@ def render_metrics(server: Server) -> str:
             ("expert_misses_total", s.misses, "Routed experts read from disk."),
             ("expert_evictions_total", s.evictions, "Experts evicted from a slot."),
             ("expert_bytes_read_total", s.bytes_read, "Bytes of expert records read."),
+            ("expert_fill_bytes_total", s.fill_bytes, "Bytes copied into slots."),
             ("prefetched_total", s.prefetched, "Experts read ahead."),
             ("prefetch_bytes_total", s.prefetch_bytes, "Bytes read ahead."),
         ):

@@ -59,3 +59,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "device: needs an accelerator (a GPU); skipped without one"
     )
+    config.addinivalue_line(
+        "markers", "ui: in a real browser (make test-ui); skipped without one"
+    )
