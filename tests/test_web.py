@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from helpers import BITS
 
 import moestream
 from moestream.converter import convert
+from moestream.formats import load_manifest
 from moestream.runtime import RuntimeConfig
 from moestream.serve import Server, ServerOptions
 from moestream.web import page_file
@@ -44,7 +46,11 @@ def wider(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module", params=["native", "python"])
 def server(request, wider: Path):
+    """8 slots a layer; native: a host tier of 64 of the 192 records, a budget."""
     config = RuntimeConfig(cache_experts=8, context=256, engine=request.param)
+    if request.param == "native":
+        record = max(x.record_nbytes for x in load_manifest(wider).layers)
+        config = replace(config, host_budget=64 * record, memory_budget="1G")
     with Server(wider, config, ServerOptions(max_tokens=16), port=0) as s:
         yield s
 
@@ -120,7 +126,13 @@ def test_stream_sends_count_events_then_ends(server: Server) -> None:
     e = got[-1]
     assert e["model"] == "wider-moe" and (e["rank"], e["ranks"]) == (0, 1)
     assert [layer["layer"] for layer in e["layers"]] == list(range(6))
-    assert e["host_tier"] is None and e["slots_visible"]
+    assert e["slots_visible"]
+    tier = e["host_tier"]
+    if server.plan.runtime.engine == "native":
+        assert tier["records"] == 64 and 0 < tier["filled"] <= 64
+        assert e["memory"]["budget"] == 1 << 30
+    else:
+        assert tier is None and e["memory"]["budget"] == 0
     assert e["memory"]["rss"] > 0 and e["memory"]["dense"] > 0
 
 
@@ -242,6 +254,27 @@ def test_engines_count_uses_as_hits_and_misses(wider: Path) -> None:
         s.reset()
         assert s.expert_uses == {} and s.per_layer_misses == {}
     assert uses["python"] == uses["native"]
+
+
+def test_host_tier_fill_is_what_it_holds(wider: Path) -> None:
+    """A tier of 20 records: after a few tokens it holds 20 (it read more)."""
+    from mlx_lm.generate import generate
+
+    from moestream.web.live import tier_view
+
+    record = max(x.record_nbytes for x in load_manifest(wider).layers)
+    model, tok = moestream.load(
+        wider, cache_experts=6, engine="native", host_budget=20 * record
+    )
+    assert tier_view(moestream.stats(model)) == {
+        "records": 20,
+        "filled": 0,
+        "record_bytes": record,
+    }
+    generate(model, tok, "fill the tier", max_tokens=8)
+    s = moestream.stats(model)
+    assert s.host_misses > 20
+    assert tier_view(s)["filled"] == 20
 
 
 # ---- in a browser ----

@@ -191,9 +191,10 @@ function drawChart(canvas, seriesList, colors, fixedMax) {
     ctx.lineWidth = 1.5;
     ctx.beginPath();
     let drawing = false;
+    const offset = HISTORY - series.length; // the newest sample at the right
     series.forEach((v, x) => {
       if (v === null) { drawing = false; return; }
-      const px = (x / (HISTORY - 1)) * w, py = h - 4 - (v / max) * (h - 8);
+      const px = ((offset + x) / (HISTORY - 1)) * w, py = h - 4 - (v / max) * (h - 8);
       if (drawing) ctx.lineTo(px, py); else ctx.moveTo(px, py);
       drawing = true;
     });
@@ -293,25 +294,33 @@ hover($("experts"), (layer, e) => {
   return `layer ${layer.layer}, expert ${e}: used by ${layer.uses[e]} calls, ${where}`;
 });
 
-function drawBar(el, parts, total) {
-  el.replaceChildren(...parts.map(([value, color, title]) => {
+function drawBar(el, parts, total, marker) {
+  const spans = parts.map(([value, color, title]) => {
     const span = document.createElement("span");
     span.style.width = `${(100 * value) / Math.max(1, total)}%`;
     span.style.background = color;
     span.title = `${title}: ${human(value)}`;
     return span;
-  }));
+  });
+  if (marker) {
+    const line = document.createElement("i");
+    line.style.left = `${Math.min(100, (100 * marker[0]) / Math.max(1, total))}%`;
+    line.title = `${marker[1]}: ${human(marker[0])}`;
+    spans.push(line);
+  }
+  el.replaceChildren(...spans);
 }
 
 function showMemory(m) {
-  const total = Math.max(m.budget, m.planned, m.rss);
+  // against the budget when there is one; the white line: resident memory now
+  const total = m.budget || Math.max(m.planned, m.rss);
   drawBar($("memory-bar"), [
     [m.dense, "#5fb3ff", "dense weights"],
     [m.experts, "#ffb454", "expert slots"],
-    [m.kv_cache, "#7bd88f", "KV cache"],
+    [m.kv_cache, "#7bd88f", "KV cache (planned)"],
     [m.prompt_cache, "#c792ea", "prompt cache"],
-    [m.other, "#4a4f5a", "process, activations, staging, reserve"],
-  ], total);
+    [m.other, "#6b7280", "process, activations, staging, reserve"],
+  ], total, [m.rss, "resident now"]);
   const budget = m.budget ? `of budget ${human(m.budget)}` : "(no budget)";
   $("memory").textContent =
     `plan ${human(m.planned)} ${budget} · RSS ${human(m.rss)} (peak ${human(m.peak_rss)}) · ` +
