@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import openai
 import pytest
@@ -246,6 +247,7 @@ def test_engines_count_uses_as_hits_and_misses(wider: Path) -> None:
     for engine in ("python", "native"):
         model, tok = moestream.load(wider, cache_experts=6, engine=engine)
         generate(model, tok, "count me", max_tokens=8)
+        mx.synchronize()  # the step mlx-lm computed ahead has run (native)
         s = moestream.stats(model)
         total = sum(int(u.sum()) for u in s.expert_uses.values())
         assert total == s.hits + s.misses
