@@ -14,15 +14,17 @@ PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 # The native engine is compiled against the venv's own MLX (no build isolation).
 $(STAMP): pyproject.toml $(NATIVE)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) "setuptools>=77" "nanobind==3.1.0" "cmake>=3.25" "mlx[cpu]>=0.31,<0.40"
+	$(PIP) "setuptools>=77" "nanobind==3.1.0" "cmake>=3.25" "mlx[cpu]>=0.32.2,<0.33"
 	$(PIP) --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# ruff, then the import contracts in pyproject.toml (DESIGN.md §1's layers).
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/lint-imports --no-cache
 
 format: $(STAMP)
 	$(BIN)/ruff format $(LINTED)

@@ -19,11 +19,13 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import user_errors
+from .generate import chat_template_text
 from .options import CONTEXT, common_options, engine_options
 from .runtime import RuntimeConfig, load, runtime_of, stats
-from .serve import ENGINE_EXCLUDED, chat_template_text
 
 HELP = "commands: q quit, r reset the conversation, h help"
+# RuntimeConfig fields a chat sets its own way: one conversation, no trace.
+ENGINE_EXCLUDED = ("record_trace", "concurrency")
 
 
 @dataclass
@@ -114,7 +116,7 @@ class Conversation:
     "--pipeline",
     is_flag=True,
     help="Run as one rank of a pipeline started by mlx.launch (every rank reads "
-    "the same input; rank 0 answers). The seed then applies after loading.",
+    "the same input; rank 0 answers).",
 )
 @engine_options(exclude=ENGINE_EXCLUDED)
 @common_options
@@ -141,8 +143,8 @@ def chat_cmd(
             return Conversation(model, tokenizer, system_prompt)
         from .pipeline import init, load_stage
 
+        # every rank's load draws the whole model's random numbers (loader.py)
         model, tokenizer, _ = load_stage(model_dir, config, init(), None, options)
-        mx.random.seed(seed)  # ranks build different layers, drawing differently
         return Conversation(model, tokenizer, system_prompt)
 
     chat = user_errors(start)

@@ -29,8 +29,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 def _runtime() -> tuple[type, dict[str, tuple[str, ...]]]:
     """RuntimeConfig and the choices of its fields (imported on use: the
     converter's CLI shares `common_options` and never imports the runtime)."""
-    from .runtime.config import DTYPES, ENGINES, RuntimeConfig
-    from .runtime.pool import POLICIES
+    from .runtime.config import DTYPES, ENGINES, POLICIES, RuntimeConfig
 
     choices = {
         "dtype": DTYPES,
@@ -171,3 +170,9 @@ common_options = logging_options()
 
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+# The converted model most commands take, and their --json.
+model_argument = click.argument("model_dir", metavar="OUT", type=click.Path())
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object."
+)

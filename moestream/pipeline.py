@@ -442,13 +442,15 @@ def run_rank(
         ids = encode(tok)
         config = RuntimeConfig(**engine, context=len(ids) + max_tokens)
         first = group.rank() == 0
+        # before loading, as mlx_lm.generate seeds: every rank's load draws the
+        # whole model's random numbers, so all end in one process's state
+        mx.random.seed(shared_seed(group, seed))
         model, tok, stage = load_stage(path, config, group, tokenizer=tok)
         plan = runtime_of(model).plan.describe()
         plans = gather_text(group, f"rank {stage.rank}: {plan}")
         if show_plan and first:
             for line in plans:
                 click.echo(line, err=True)
-        mx.random.seed(shared_seed(group, seed))
         gen = generate(
             model, tok, ids, max_tokens, sampling, on_text if first else None
         )

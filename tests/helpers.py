@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
@@ -13,6 +20,12 @@ from mlx_lm.sample_utils import make_sampler
 # Mixed bits on purpose: every projection width must survive the round trip.
 BITS = "gate_proj=4,up_proj=3,down_proj=6,down_proj@2-2=8"
 PROMPT = mx.array([[(7 * i + 3) % 300 for i in range(48)]])
+# Seeded sampling against mlx-lm's own commands (test_seeding.py).
+BITS4 = "gate_proj=4,up_proj=4,down_proj=4"
+SEEDS = (3, 4)
+SAMPLED_PROMPT = "hello world"
+SAMPLED_TOKENS = 16
+COMMAND_TIMEOUT = 120
 
 
 def logits_stepwise(model, prompt: mx.array, steps: int) -> list[mx.array]:
@@ -55,9 +68,19 @@ def edit_manifest(out: Path, fn) -> None:
 
 
 def generated(
-    model, prompt: list[int], temp: float, seed: int, n: int = 24
+    model: nn.Module | Callable[[], nn.Module],
+    prompt: list[int],
+    temp: float,
+    seed: int | None,
+    n: int = 24,
 ) -> list[int]:
-    mx.random.seed(seed)
+    """Tokens of mlx-lm's generate_step, seeded where mlx-lm's commands seed:
+    `model` may be a function that loads it, called after the seed (its draws
+    then count, as in mlx_lm.generate); seed None keeps the random state."""
+    if seed is not None:
+        mx.random.seed(seed)
+    if not isinstance(model, nn.Module):
+        model = model()
     steps = generate_step(
         mx.array(prompt),
         model,
@@ -65,3 +88,71 @@ def generated(
         sampler=make_sampler(temp, top_p=0.9 if temp else 1.0),
     )
     return [t for t, _ in steps]
+
+
+def mlx_lm_convert(src: Path, dst: Path) -> Path:
+    """mlx_lm.convert -q --q-bits 4 --q-group-size 64 --dtype float32."""
+    from mlx_lm.convert import convert as mlx_convert
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
+        mlx_convert(
+            str(src),
+            str(dst),
+            quantize=True,
+            q_bits=4,
+            q_group_size=64,
+            dtype="float32",
+        )
+    return dst
+
+
+def both(root: Path, family: str, seed: int = 0) -> tuple[Path, Path]:
+    """(convert-moe OUT, mlx-lm directory) of the same weights: one random
+    checkpoint in hub layout (root/hf-FAMILY), every projection at 4 bits."""
+    from builders.synthetic import tiny_model
+
+    from moestream.converter import convert
+
+    src = tiny_model(root / f"hf-{family}", family, seed=seed)
+    out = root / f"out-{family}"
+    convert(str(src), out, bits=BITS4, dtype="float32", progress=False)
+    return out, mlx_lm_convert(src, root / f"mlx-{family}")
+
+
+def mlx_lm_command(*args: str) -> subprocess.Popen:
+    """`python -m mlx_lm ARGS` in its own process (stdin, stdout, stderr piped)."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        env=env,
+    )
+
+
+def generate_args(seed: int) -> list[str]:
+    """mlx_lm.generate's flags of a seeded sampled run; run-moe takes the same."""
+    return [
+        *("--prompt", SAMPLED_PROMPT, "--ignore-chat-template"),
+        *("--temp", "1.0", "--seed", str(seed), "--max-tokens", str(SAMPLED_TOKENS)),
+    ]
+
+
+def mlx_lm_generate(runs: dict[object, tuple[Path, int]]) -> dict[object, str]:
+    """`python -m mlx_lm generate` of each (mlx-lm directory, seed), side by
+    side: the text each printed."""
+    procs = {
+        key: mlx_lm_command(
+            "generate", "--model", str(m), *generate_args(s), "--verbose", "False"
+        )
+        for key, (m, s) in runs.items()
+    }
+    texts = {}
+    for key, p in procs.items():
+        out, err = p.communicate(timeout=COMMAND_TIMEOUT)
+        assert p.returncode == 0, err
+        texts[key] = out.removesuffix("\n")  # it prints the text, then a newline
+    return texts

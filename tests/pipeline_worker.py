@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import sys
 
+import mlx.core as mx
 from helpers import generated
 
 from moestream import pipeline
 from moestream.runtime import RuntimeConfig
 
 PROMPT = [(7 * i + 3) % 300 for i in range(20)]
+SEED = 5
 
 
 def main() -> None:
@@ -23,9 +25,10 @@ def main() -> None:
     config = RuntimeConfig(
         memory_budget=budget, cache_experts=slots, dtype="float32", engine=engine
     )
+    mx.random.seed(SEED)  # before loading, as mlx-lm's commands seed
     model, _, stage = pipeline.load_stage(out, config, group)
-    greedy = generated(model, PROMPT, 0.0, 0, n=12)
-    sampled = generated(model, PROMPT, 1.0, 5, n=12)
+    greedy = generated(model, PROMPT, 0.0, None, n=12)  # draws nothing
+    sampled = generated(model, PROMPT, 1.0, None, n=12)
     ranks = pipeline.rank_report(group, model, stage)
     if group.rank() == 0:
         print(json.dumps({"greedy": greedy, "sampled": sampled, "ranks": ranks}))

@@ -15,7 +15,7 @@ from mlx_lm.generate import generate as mlx_generate
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 
-from moestream.converter.cli import main as convert_main
+from moestream.cli.convert import main as convert_main
 from moestream.runtime import native
 from moestream.runtime.cli import encode_prompt
 from moestream.runtime.cli import main as run_main

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from helpers import BITS, edit_manifest
 
 from moestream.cli import main as moestream_main
-from moestream.converter.cli import main as convert_main
+from moestream.cli.convert import main as convert_main
 from moestream.runtime.cli import main as run_main
 
 

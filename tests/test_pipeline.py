@@ -16,13 +16,22 @@ from pathlib import Path
 
 import pytest
 from builders.synthetic import tiny_model
-from helpers import BITS, corrupt_layer, generated
+from helpers import (
+    BITS,
+    BITS4,
+    SEEDS,
+    both,
+    corrupt_layer,
+    generate_args,
+    generated,
+    mlx_lm_generate,
+)
 from mlx_lm.utils import load_tokenizer
 
 from moestream.converter import convert
 from moestream.formats import Recipe, load_manifest
 from moestream.pipeline import PipelineError, plan_stages, split_layers, stages
-from moestream.reference import resident_model
+from moestream.reference import resident_from_converted, resident_model
 from moestream.runtime import RuntimeConfig
 from moestream.runtime.loader import RESERVE_FRACTION, plan_for
 
@@ -86,12 +95,13 @@ def errors(r: subprocess.CompletedProcess) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
-    """A family without mlx-lm's PipelineMixin: the generic cut."""
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, Path]:
+    """A family without mlx-lm's PipelineMixin: the generic cut; its resident
+    model, and an mlx-lm directory of the same weights (for mlx-lm's commands)."""
     root = tmp_path_factory.mktemp("qwen2_moe")
-    src = tiny_model(root / "hf", "qwen2_moe", seed=3)
-    convert(str(src), root / "out", bits=BITS, progress=False)
-    return root / "out", resident_model(src, Recipe.parse(BITS))
+    out, mlx_dir = both(root, "qwen2_moe", seed=3)
+    ref = resident_model(root / "hf-qwen2_moe", Recipe.parse(BITS4), "float32")
+    return out, ref, mlx_dir
 
 
 def test_split_balances_bytes_in_mlx_lm_order() -> None:
@@ -119,38 +129,23 @@ def test_plan_ranks_cover_every_layer_once(converted: Path) -> None:
 
 
 def test_two_ranks_generic_family_exact(qwen2) -> None:
-    """run-moe --pipeline on 2 ranks: seeded sampling equal to the resident model."""
-    out, ref = qwen2
+    """run-moe --pipeline on 2 ranks: seeded sampling prints mlx_lm.generate's
+    text for the same seed (each rank's load ends in one process's state)."""
+    out, _, mlx_dir = qwen2
+    seed = SEEDS[0]
+    want = mlx_lm_generate({0: (mlx_dir, seed)})[0]
     r = launch(
         2,
         str(BIN / "run-moe"),
         str(out),
         "--pipeline",
-        "-p",
-        "def add",
-        "--ignore-chat-template",
-        "-m",
-        "12",
-        "--temp",
-        "1.0",
-        "--top-p",
-        "0.9",
-        "--seed",
-        "5",
-        "--cache-experts",
-        "1",
-        "--dtype",
-        "float32",
-        "--json",
+        *generate_args(seed),
+        *("--cache-experts", "1", "--json"),
     )
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, r.stdout + r.stderr  # rank 0 alone prints
     result = json.loads(lines[0])
-    prompt = load_tokenizer(out).encode("def add", add_special_tokens=True)
-    want = generated(ref, prompt, 1.0, 5, n=12)
-    if 0 in want:  # eos ends generation
-        want = want[: want.index(0)]
-    assert result["tokens"] == want
+    assert result["text"] == want
     ranks = result["stats"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert sorted(r["layers"][0] for r in ranks) == [0, ranks[1]["layers"][1] + 1]
@@ -195,22 +190,27 @@ def test_budget_too_small_on_one_rank_stops_every_rank(converted: Path) -> None:
 def test_families_exact(tmp_path: Path, family: str, ranks: int) -> None:
     src = tiny_model(tmp_path / "hf", family, seed=3)
     bits = None if family == "gpt_oss" else BITS
-    convert(str(src), tmp_path / "out", bits=bits, progress=False)
+    out = tmp_path / "out"
+    convert(str(src), out, bits=bits, progress=False)
     ref = resident_model(src, Recipe.parse(bits) if bits else None)
-    r = launch(ranks, sys.executable, str(WORKER), str(tmp_path / "out"), "1")
+    r = launch(ranks, sys.executable, str(WORKER), str(out), "1")
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["greedy"] == generated(ref, PROMPT, 0.0, 0, n=12)
-    assert result["sampled"] == generated(ref, PROMPT, 1.0, 5, n=12)
+    assert result["sampled"] == generated(
+        lambda: resident_from_converted(out, "float32"), PROMPT, 1.0, 5, n=12
+    )
     assert len(result["ranks"]) == ranks
 
 
 @pytest.mark.slow
 def test_native_engine_exact(qwen2) -> None:
-    out, ref = qwen2
+    out, ref, _ = qwen2
     r = launch(2, sys.executable, str(WORKER), str(out), "1", "native")
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["greedy"] == generated(ref, PROMPT, 0.0, 0, n=12)
-    assert result["sampled"] == generated(ref, PROMPT, 1.0, 5, n=12)
+    assert result["sampled"] == generated(
+        lambda: resident_from_converted(out, "float32"), PROMPT, 1.0, 5, n=12
+    )
 
 
 def _per_rank(tmp_path: Path, converted: Path) -> tuple[Path, Path]:
@@ -275,7 +275,6 @@ def test_per_rank_budget_below_one_process(tmp_path: Path) -> None:
     buffers): 2 ranks run at a budget one process is refused at, same slots,
     tokens equal to the resident model's."""
     from moestream.bench.models import Scale, write_synthetic
-    from moestream.reference import resident_from_converted
 
     out = tmp_path / "m"
     write_synthetic(out, Scale(4, 16, 2, 1024, 1024, heads=4, kv_heads=2, vocab=512))
@@ -295,15 +294,19 @@ def test_per_rank_budget_below_one_process(tmp_path: Path) -> None:
     result = json.loads(r.stdout.strip().splitlines()[-1])
     ref = resident_from_converted(out, "float32")
     assert result["greedy"] == generated(ref, PROMPT, 0.0, 0, n=12)
-    assert result["sampled"] == generated(ref, PROMPT, 1.0, 5, n=12)
+    assert result["sampled"] == generated(
+        lambda: resident_from_converted(out, "float32"), PROMPT, 1.0, 5, n=12
+    )
     assert all(r["peak_memory"] <= budget for r in result["ranks"]), result["ranks"]
 
 
 @pytest.mark.slow
 def test_chat_pipeline_answers_as_one_process(qwen2) -> None:
-    """Greedy: the same replies, turn after turn, as chat in one process."""
-    out, _ = qwen2
+    """The same sampled replies, turn after turn, as chat in one process (which
+    answers as mlx_lm.chat: test_seeding.py)."""
+    out, _, _ = qwen2
     args = [str(out), "--cache-experts", "2", "-m", "10", "--dtype", "float32"]
+    args += ["--temp", "1.0", "--seed", "5"]
     talk = "hello\nhow are you\nq\n"
     r = launch(2, str(BIN / "moestream"), "chat", *args, "--pipeline", stdin=talk)
     alone = subprocess.run(
@@ -325,7 +328,7 @@ def test_serve_pipeline_answers_as_the_resident_model(qwen2) -> None:
 
     from mlx_lm.generate import generate as mlx_generate
 
-    out, ref = qwen2
+    out, ref, _ = qwen2
     port = free_ports(1)
     args = launch_args(2, str(BIN / "moestream"), "serve", str(out), "--pipeline")
     args += ["--port", str(port)]

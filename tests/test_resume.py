@@ -21,8 +21,8 @@ from helpers import BITS, same_files
 
 import moestream.converter.pack as pack
 import moestream.formats.writer as writer
+from moestream.cli.convert import main as convert_main
 from moestream.converter import ConvertError, convert
-from moestream.converter.cli import main as convert_main
 from moestream.converter.resume import ResumeError, partial_dir
 from moestream.formats import FormatError, ModelWriter, load_manifest
 

@@ -22,9 +22,10 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.utils import load_tokenizer
 
 import moestream
+from moestream.cli.serve import serve_cmd
 from moestream.runtime import BudgetError, RuntimeConfig
 from moestream.runtime.loader import budget_for
-from moestream.serve import Server, ServerOptions, plan_server, serve_cmd
+from moestream.serve import Server, ServerOptions, plan_server
 from moestream.units import parse_size
 
 TIMEOUT = 60  # seconds, for every request and process here
@@ -406,9 +407,9 @@ def test_serve_and_chat_take_every_engine_flag() -> None:
     """The one generated set (options.engine_options): every RuntimeConfig
     field, with the help run-moe shows, but those serve sets otherwise."""
     from moestream.chat import chat_cmd
+    from moestream.cli.serve import ENGINE_EXCLUDED
     from moestream.options import engine_fields, field_help
     from moestream.runtime.cli import main as run_main
-    from moestream.serve import ENGINE_EXCLUDED
 
     expected = set(engine_fields(exclude=ENGINE_EXCLUDED))
     assert expected == {f.name for f in fields(RuntimeConfig)} - {

@@ -22,8 +22,8 @@ from click.testing import CliRunner
 from helpers import BITS, same_files
 
 import moestream
+from moestream.cli.convert import main as convert_main
 from moestream.converter import SourceError, convert
-from moestream.converter.cli import main as convert_main
 from moestream.converter.layouts import dequantize_fp8
 from moestream.formats import BlobReader, load_manifest
 from moestream.formats.manifest import inside

@@ -26,7 +26,7 @@ import moestream.plan
 from moestream.cli import main as cli
 from moestream.evaluate import evaluate, sequences
 from moestream.options import engine_options, field_help
-from moestream.reference import resident_from_converted
+from moestream.reference import resident_from_converted, resident_model
 from moestream.runtime import RuntimeConfig, loader, native
 from moestream.runtime.cli import encode_prompt
 from moestream.runtime.cli import main as run_main
@@ -124,14 +124,15 @@ def test_log_level_and_v_reach_logging(converted: Path, flags) -> None:
 # ------------------------------------------------------------------ run-moe
 
 
-def test_sampling_flags_match_mlx_lm(converted: Path, reference) -> None:
+def test_sampling_flags_match_mlx_lm(converted: Path, hf_dir: Path, recipe) -> None:
     out = run_json(
         converted,
         *("--temp", 0.8, "--top-k", 5, "--min-p", 0.05, "--seed", 7),
         *("--cache-experts", 3),
     )
     tok = load_tokenizer(converted)
-    mx.random.seed(7)
+    mx.random.seed(7)  # before building, as run-moe seeds before loading
+    reference = resident_model(hf_dir, recipe)
     sampler = make_sampler(0.8, 1.0, 0.05, top_k=5)
     want = resident_tokens(reference, tok.encode("def add"), 10, sampler=sampler)
     assert out["tokens"] == want
@@ -263,8 +264,8 @@ def test_trace_holds_every_layer_call(traced) -> None:
 
 
 def test_plot_draws_a_trace(traced, tmp_path: Path) -> None:
+    from moestream.bench.plot import per_token
     from moestream.bench.replay import belady_hits, policy_hits
-    from moestream.plot import per_token
 
     path, _ = traced
     trace = read_trace(path)
@@ -381,7 +382,8 @@ def test_plan_is_the_plan_load_makes(converted: Path, flags, options) -> None:
     r = invoke(cli, ["plan", converted, "--no-forecast", "--json", *flags])
     assert r.exit_code == 0, r.output
     plan = json.loads(r.output)["plan"]
-    model, _ = moestream.load(converted, **options)
+    # the context plan assumed (run-moe's prompt plus --max-tokens), unless given
+    model, _ = moestream.load(converted, **{"context": plan["context"], **options})
     loaded = moestream.runtime_of(model).plan
     for name in PLAN_FIELDS:
         assert plan[name] == getattr(loaded, name), name
@@ -535,3 +537,45 @@ def test_eval_refuses_too_little_data(converted: Path, tmp_path: Path) -> None:
         cli, ["eval", str(converted), "--data", str(data), "--context", "64"]
     )
     assert r.exit_code == 2 and "fewer than one sequence" in r.output
+
+
+def test_plan_sizes_the_context_as_run_moe(tmp_path: Path) -> None:
+    """plan takes run-moe's --prompt and --max-tokens and plans its slots: at a
+    budget where 4096 tokens of KV cache and activations do not fit and run-moe's
+    own context does, both answer the same slots (experts of ~3 MB a slot, so
+    the process's growth between the calls cannot move the answer)."""
+    from builders.synthetic import tiny_qwen3_moe
+
+    from moestream.converter import convert
+    from moestream.runtime import BudgetError
+    from moestream.runtime.loader import _budget_holding, plan_for
+
+    out = tmp_path / "out"
+    convert(
+        str(tiny_qwen3_moe(tmp_path / "hf", moe_intermediate_size=8192)),
+        out,
+        progress=False,
+    )
+    prompt, n = "def add", 2
+    context = len(encode_prompt(load_tokenizer(out), prompt, False)) + n
+    three = plan_for(out, RuntimeConfig(cache_experts=3, context=context))
+    # half a slot more than 3 slots need at run-moe's context
+    budget = _budget_holding(three.total - three.reserve + three.slot_bytes // 2)
+    with pytest.raises(BudgetError, match="too small"):
+        plan_for(out, RuntimeConfig(memory_budget=budget))  # 4096 tokens
+    flags = ["-p", prompt, "-m", str(n), "--memory-budget", str(budget)]
+    plan = ["plan", str(out), "--no-forecast", "--json"]
+    r = CliRunner().invoke(cli, [*plan, *flags])
+    assert r.exit_code == 0, r.output
+    assert (json.loads(r.stdout)["plan"]["context"], three.capacity) == (context, 3)
+    assert json.loads(r.stdout)["plan"]["capacity"] == 3
+    r = CliRunner().invoke(run_main, [str(out), *flags, "--stats"])
+    assert r.exit_code == 0, r.output
+    assert "(3/8 per layer)" in r.stderr
+    # --prompt-tokens stands for the prompt; --for chat plans chat's 4096 tokens
+    r = CliRunner().invoke(
+        cli, [*plan, "--prompt-tokens", str(context - n), *flags[2:]]
+    )
+    assert json.loads(r.stdout)["plan"]["context"] == context
+    r = CliRunner().invoke(cli, [*plan[:3], "--for", "chat", *flags[2:]])
+    assert r.exit_code == 2 and "too small" in r.output, r.output

@@ -33,8 +33,8 @@ from click.testing import CliRunner
 from helpers import BITS, PROMPT, logits_stepwise, same_files
 
 import moestream
+from moestream.cli.convert import main as convert_main
 from moestream.converter import SourceError, convert
-from moestream.converter.cli import main as convert_main
 from moestream.converter.hfconfig import ConfigError, normalize_config
 from moestream.families import build_model, mlx_lm_classes, model_args
 from moestream.formats import Recipe

@@ -26,7 +26,8 @@ from moestream.converter import convert
 from moestream.formats import load_manifest
 from moestream.runtime import RuntimeConfig
 from moestream.serve import Server, ServerOptions
-from moestream.web import page_file
+from moestream.serve.live import streaming_layers
+from moestream.serve.page import page_file
 
 TIMEOUT = 30  # seconds, for every request, stream and page wait here
 CHROMIUM = "/usr/bin/chromium"
@@ -149,10 +150,7 @@ def test_snapshot_equals_metrics_and_the_slots(server: Server) -> None:
     assert sum(sum(layer["uses"]) for layer in layers) == x["hits"] + x["misses"]
     assert sum(layer["misses"] for layer in layers) == x["misses"]
     model = server.model
-    tables = {
-        m.layer.layer: m.slot_table()
-        for m in moestream.web.live.streaming_layers(model)
-    }
+    tables = {m.layer.layer: m.slot_table() for m in streaming_layers(model)}
     for layer in layers:
         assert layer["capacity"] == 8 and layer["experts"] == 32
         held = [e for e in layer["slots"] if e >= 0]
@@ -262,7 +260,7 @@ def test_host_tier_fill_is_what_it_holds(wider: Path) -> None:
     """A tier of 20 records: after a few tokens it holds 20 (it read more)."""
     from mlx_lm.generate import generate
 
-    from moestream.web.live import tier_view
+    from moestream.serve.live import tier_view
 
     record = max(x.record_nbytes for x in load_manifest(wider).layers)
     model, tok = moestream.load(

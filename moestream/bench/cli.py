@@ -9,9 +9,9 @@ import click
 
 from ..errors import user_errors
 from ..options import common_options, engine_options
-from ..plot import plot_bench, pyplot
 from ..runtime.config import RuntimeConfig
 from .harness import BenchConfig, main
+from .plot import plot_bench, pyplot
 
 
 def _value(text: str) -> object:

@@ -141,15 +141,7 @@ def convert(
     finished layers whose checksums verify.
     """
     out = Path(out)
-    Recipe.parse(bits, q_group_size or 64)  # a typo fails before any download
-    _check_destination(out, force)
-    if partial_dir(out).exists() and not resume:
-        raise ResumeError(
-            f"{partial_dir(out)} holds an interrupted conversion; pass --resume to "
-            "finish it, or remove it to start over."
-        )
-    if dtype is not None and dtype not in DTYPES:
-        raise ConvertError(f"Unknown --dtype {dtype}; use one of {', '.join(DTYPES)}.")
+    _check_options(out, bits, q_group_size, dtype, force, resume)
     src = open_source(source, revision)
     start = time.perf_counter()  # after any download: GB/s of reading the source
     family = get_family(src.config)
@@ -183,6 +175,26 @@ def convert(
         seconds=time.perf_counter() - start,
         peak_rss=peak_rss(),
     )
+
+
+def _check_options(
+    out: Path,
+    bits: str | None,
+    q_group_size: int | None,
+    dtype: str | None,
+    force: bool,
+    resume: bool,
+) -> None:
+    """What can be refused before any download."""
+    Recipe.parse(bits, q_group_size or 64)  # a typo fails before any download
+    _check_destination(out, force)
+    if partial_dir(out).exists() and not resume:
+        raise ResumeError(
+            f"{partial_dir(out)} holds an interrupted conversion; pass --resume to "
+            "finish it, or remove it to start over."
+        )
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"Unknown --dtype {dtype}; use one of {', '.join(DTYPES)}.")
 
 
 def _disk_full(e: OSError, partial: Path, kept: bool, estimate: int) -> str:

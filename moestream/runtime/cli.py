@@ -347,6 +347,8 @@ def main(
         )
 
     def run() -> dict | None:
+        if seed is not None:  # before loading, as mlx_lm.generate seeds
+            mx.random.seed(seed)
         if save_prompt_cache and not save_prompt_cache.endswith(".safetensors"):
             raise ValueError("--save-prompt-cache takes a name ending .safetensors.")
         if sampling.kv_bits is not None and sampling.max_kv_size is not None:
@@ -398,8 +400,6 @@ def main(
         on_text = None if as_json else lambda t: print(t, end="", flush=True)
         if verbose and not as_json:
             click.echo("=" * 10)
-        if seed is not None:  # here: building the model draws random numbers
-            mx.random.seed(seed)
         gen = generate(model, tok, ids, max_tokens, sampling, on_text, cache, draft)
         if trace_file:
             from ..trace import write_trace

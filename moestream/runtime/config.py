@@ -10,6 +10,8 @@ import mlx.core as mx
 DEFAULT_CONTEXT = 4096
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENGINES = ("python", "native")
+# Cache policies; runtime/pool.py implements each.
+POLICIES = ("lrfu", "lru")
 # (field, lowest, highest) of the numeric options.
 BOUNDS = (
     ("context", 1, float("inf")),
@@ -108,8 +110,6 @@ class RuntimeConfig:
             raise ValueError(
                 f"Unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}."
             )
-        from .pool import POLICIES  # pool reads this class's defaults
-
         if self.policy not in POLICIES:
             raise ValueError(
                 f"Unknown cache policy {self.policy!r}; use one of "

@@ -146,45 +146,70 @@ def load(
     config: the runtime options (`RuntimeConfig`); keyword `options` override
         its fields, e.g. `load(out, memory_budget="8G", policy="lru")`.
     tokenizer: reuse one already loaded from `path` (its memory counts as process).
-    tokenizer_config: extra options for the tokenizer, as `mlx_lm.load` takes
-        them, e.g. {"chat_template": "..."} (ignored with `tokenizer`).
-    progress: progress bars (stderr) for the file checksums and for reading
-        every expert when all fit.
-    shard: cuts the lazily built model to a range of decoder layers before any
-        weight is read, and returns it; only those layers' dense weights and
-        experts are loaded and planned for (a pipeline rank: moestream.pipeline).
+    tokenizer_config: extra tokenizer options, as `mlx_lm.load` takes them,
+        e.g. {"chat_template": "..."} (ignored with `tokenizer`).
+    progress: progress bars (stderr) for the checksums and the first reads.
+    shard: cuts the lazily built model to the range of decoder layers it
+        returns, before any weight is read (a pipeline rank's share).
     """
     cfg = replace(config or RuntimeConfig(), **options)  # validates the options
-    if cfg.engine is None and cfg.engine_used == "python":
-        reason = native.fallback_reason()
-        if reason:  # a slower engine than expected: never silently
-            log.warning("the python engine runs instead of the native one: %s", reason)
+    _warn_fallback(cfg)
     directory = Path(path)
     manifest = load_manifest(directory)
     if cfg.verify:  # dense, config and tokenizer files, before any is used
         check_files(directory, manifest, progress=progress)
     compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     model_config = load_config(directory)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(
-            directory,
-            _tokenizer_options(tokenizer_config),
-            eos_token_ids=model_config.get("eos_token_id"),
-        )
+    tokenizer = tokenizer or _tokenizer(directory, model_config, tokenizer_config)
     process = _process_bytes()
     model, manifest, model_config, switches, layers = _build(
         directory, manifest, model_config, compute, shard
     )
     plan = _plan_model(manifest, model_config, model, compute, process, cfg)
     log.info(plan.describe())
-    if plan.budget is not None:
-        _bound_allocators(plan)
+    _bound_allocators(plan)
     stats = RuntimeStats(recording=cfg.record_trace)
     store = ExpertStore(directory, manifest, verify=cfg.verify)
+    tier = native.host_tier(plan, cfg.readers) if plan.host_records else None
+    streaming = _stream(model, switches, layers, store, plan, compute, stats, cfg, tier)
+    _start(model, streaming, tier, stats, manifest, plan, cfg, model_config, progress)
+    stats.reset()
+    model.eval()
+    model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
+    return model, tokenizer
+
+
+def _tokenizer(
+    directory: Path, model_config: dict, extra: dict | None
+) -> TokenizerWrapper:
+    return load_tokenizer(
+        directory,
+        _tokenizer_options(extra),
+        eos_token_ids=model_config.get("eos_token_id"),
+    )
+
+
+def _warn_fallback(cfg: RuntimeConfig) -> None:
+    """A slower engine than expected: never silently."""
+    if cfg.engine is None and cfg.engine_used == "python":
+        reason = native.fallback_reason()
+        if reason:
+            log.warning("the python engine runs instead of the native one: %s", reason)
+
+
+def _stream(
+    model: nn.Module,
+    switches: dict[str, nn.Module],
+    layers: dict[str, ExpertLayer],
+    store: ExpertStore,
+    plan: MemoryPlan,
+    compute: mx.Dtype,
+    stats: RuntimeStats,
+    cfg: RuntimeConfig,
+    tier: object | None,
+) -> dict[str, StreamingSwitchGLU]:
+    """Put a streaming SwitchGLU in place of each of the model's SwitchGLUs."""
     outstanding = Outstanding()
-    tier = None
-    if plan.host_records:
-        tier = native.host_tier(plan, cfg.readers)
     streaming = {}
     for spath, module in switches.items():
         streaming[spath] = StreamingSwitchGLU(
@@ -199,6 +224,21 @@ def load(
             tier,
         )
         replace_module(model, spath, streaming[spath])
+    return streaming
+
+
+def _start(
+    model: nn.Module,
+    streaming: dict[str, StreamingSwitchGLU],
+    tier: object | None,
+    stats: RuntimeStats,
+    manifest: Manifest,
+    plan: MemoryPlan,
+    cfg: RuntimeConfig,
+    model_config: dict,
+    progress: bool,
+) -> None:
+    """Chain the read-ahead, read the dense weights, fill what all fits."""
     if tier is not None:  # counted after its layers (a GPU's fills count there)
         stats.native.append(tier)
     every = sum(layer.num_experts for layer in manifest.layers)
@@ -220,10 +260,6 @@ def load(
         layer.fill_if_all_fit()  # then decode never waits on the host
     if full_tier:
         _fill_tier(tier, streaming.values(), progress)
-    stats.reset()
-    model.eval()
-    model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
-    return model, tokenizer
 
 
 def _fill_tier(tier: object, layers: object, progress: bool) -> None:
@@ -382,10 +418,14 @@ def _build(
     expert tensors left unread; with the (cut) manifest and config, and the
     MoE modules and their manifest layers."""
     model = build_model(model_config)
+    weights = dense_weights(directory, manifest)  # lazy: nothing is read yet
+    # Quantized before the cut: every rank then draws the random numbers that
+    # mlx-lm's load draws for the whole model, so a seed means the same to all.
+    quantize_as_configured(model, model_config, weights)
     manifest, model_config, keep = _cut(model, manifest, model_config, shard)
     switches = switch_modules(model)
     layers = check_layers(manifest, switches)
-    _load_dense(model, directory, manifest, model_config, keep)
+    _load_dense(model, weights, keep)
     _check_expert_shapes(switches, layers)  # before sizing memory from the manifest
     cast_floating(model, compute)
     return model, manifest, model_config, switches, layers
@@ -419,8 +459,10 @@ def _bound_allocators(plan: MemoryPlan) -> None:
     share. glibc raises its mmap threshold after large frees, so freed
     buffers stay in the heap and in RSS: pin the threshold at 1 MiB.
     Measured at an 800 MB budget, 300-token prompt: peak RSS 806 -> 682 MB,
-    same speed.
+    same speed. Without a budget, nothing is bounded.
     """
+    if plan.budget is None:
+        return
     mx.set_cache_limit(plan.activations // 4)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
@@ -463,16 +505,10 @@ def dense_weights(directory: Path, manifest: Manifest) -> dict[str, mx.array]:
 
 
 def _load_dense(
-    model: nn.Module,
-    directory: Path,
-    manifest: Manifest,
-    config: dict,
-    keep: range | None = None,
+    model: nn.Module, weights: dict[str, mx.array], keep: range | None = None
 ) -> None:
-    weights = dense_weights(directory, manifest)
     if keep is not None:  # lazy: the other layers' tensors are never read
         weights = {k: v for k, v in weights.items() if _in_layers(k, keep)}
-    quantize_as_configured(model, config, weights)
     # The expert tensors stream from blobs: keep the lazy, never-evaluated ones.
     placeholders = list(_expert_params(model).items())
     try:
@@ -535,50 +571,51 @@ def plan_memory(
         budget = default_budget(fixed + num_experts * slot, process)
     reserve = RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))
     plan = MemoryPlan(
-        budget,
-        process,
-        dense,
-        kv,
-        act,
-        staging,
-        reserve,
-        slot,
-        num_experts,
-        num_experts,
-        concurrency,
-    )
+        budget, process, dense, kv, act, staging, reserve, slot,
+        capacity=num_experts, num_experts=num_experts, concurrency=concurrency,
+    )  # fmt: skip
     if cache_experts is not None:
-        if not cache_experts >= 1:
-            raise BudgetError(
-                f"--cache-experts must be at least 1, got {cache_experts}."
-            )
-        capacity = min(cache_experts, num_experts)
-        if concurrency > 1 and capacity < least:
-            raise BudgetError(
-                f"{concurrency} sequences decoded at once route to up to {least} "
-                f"experts per layer, more than {capacity} slots; give "
-                f"--cache-experts {least} or more, or decode fewer at once."
-            )
-        need = plan.total - plan.pools + capacity * slot
-        if budget is not None and need > budget:
-            raise BudgetError(
-                f"{capacity} expert slots per layer need {human_bytes(need)} in all, "
-                f"more than --memory-budget {human_bytes(budget)}; give fewer "
-                "--cache-experts or a larger budget."
-            )
+        capacity = _capacity_given(plan, cache_experts, least)
     else:
-        free = budget - (plan.total - plan.pools)
-        capacity = min(num_experts, max(free, 0) // max(slot, 1))
-        if capacity < least:
-            fixed = plan.total - plan.pools
-            seqs = f" for {concurrency} sequences" if concurrency > 1 else ""
-            raise BudgetError(
-                f"Memory budget {human_bytes(budget)} is too small: process, dense "
-                f"weights, KV cache and activations{seqs} need {human_bytes(fixed)}, "
-                f"and {least} expert slots per layer {human_bytes(least * slot)}; give "
-                f"--memory-budget {human_bytes(fixed + least * slot, up=True)} or more."
-            )
+        capacity = _capacity_fitting(plan, least)
     return replace(plan, capacity=capacity)
+
+
+def _capacity_given(plan: MemoryPlan, cache_experts: int, least: int) -> int:
+    """--cache-experts, checked against the budget and the concurrency."""
+    if not cache_experts >= 1:
+        raise BudgetError(f"--cache-experts must be at least 1, got {cache_experts}.")
+    capacity = min(cache_experts, plan.num_experts)
+    if plan.concurrency > 1 and capacity < least:
+        raise BudgetError(
+            f"{plan.concurrency} sequences decoded at once route to up to {least} "
+            f"experts per layer, more than {capacity} slots; give "
+            f"--cache-experts {least} or more, or decode fewer at once."
+        )
+    need = plan.total - plan.pools + capacity * plan.slot_bytes
+    if plan.budget is not None and need > plan.budget:
+        raise BudgetError(
+            f"{capacity} expert slots per layer need {human_bytes(need)} in all, "
+            f"more than --memory-budget {human_bytes(plan.budget)}; give fewer "
+            "--cache-experts or a larger budget."
+        )
+    return capacity
+
+
+def _capacity_fitting(plan: MemoryPlan, least: int) -> int:
+    """The slots per layer that the budget leaves room for, at least `least`."""
+    budget, slot = plan.budget or 0, plan.slot_bytes
+    fixed = plan.total - plan.pools
+    capacity = min(plan.num_experts, max(budget - fixed, 0) // max(slot, 1))
+    if capacity < least:
+        seqs = f" for {plan.concurrency} sequences" if plan.concurrency > 1 else ""
+        raise BudgetError(
+            f"Memory budget {human_bytes(budget)} is too small: process, dense "
+            f"weights, KV cache and activations{seqs} need {human_bytes(fixed)}, "
+            f"and {least} expert slots per layer {human_bytes(least * slot)}; give "
+            f"--memory-budget {human_bytes(fixed + least * slot, up=True)} or more."
+        )
+    return capacity
 
 
 def _slot_nbytes(layer: ExpertLayer, compute: mx.Dtype) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import RuntimeConfig
+from .config import POLICIES, RuntimeConfig
 from .stats import RuntimeStats  # noqa: F401  (its old home)
 
 
@@ -44,7 +44,8 @@ class LRFU(Policy):
         self.score[experts] += 1.0
 
 
-POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lrfu": LRFU}
+CLASSES: dict[str, type[Policy]] = {"lru": LRU, "lrfu": LRFU}
+assert set(CLASSES) == set(POLICIES), "a policy without its class"
 
 
 def make_policy(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
+from ..converter.pack import DTYPES, convert
 from ..errors import user_errors
 from ..options import CONTEXT, common_options
-from .pack import DTYPES, convert
 
 
 @click.command(context_settings=CONTEXT)

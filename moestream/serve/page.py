@@ -2,7 +2,8 @@
 
 Plain HTML, CSS and JavaScript in `static/` (package data, nothing fetched
 from elsewhere, no build step); the page streams chats from the server's own
-/v1/chat/completions and draws /stats/stream (live.py).
+/v1/chat/completions and draws /stats/stream (live.py). Served from app.py's
+handler by `answer`.
 """
 
 from __future__ import annotations

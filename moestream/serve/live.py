@@ -45,14 +45,8 @@ class Served(Protocol):
 
 def streaming_layers(model: Any) -> list[StreamingSwitchGLU]:
     """The model's streaming MoE layers in layer order (this rank's only)."""
-    cached = getattr(model, "_web_layers", None)
-    if cached is None:
-        found = [
-            m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)
-        ]
-        cached = sorted(found, key=lambda m: m.layer.layer)
-        object.__setattr__(model, "_web_layers", cached)  # not a parameter
-    return cached
+    found = [m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)]
+    return sorted(found, key=lambda m: m.layer.layer)
 
 
 def slots_visible(model: Any) -> bool:

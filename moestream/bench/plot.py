@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .bench.replay import belady_step_hits, policy_step_hits
-from .trace import Trace
+from ..trace import Trace
+from .replay import belady_step_hits, policy_step_hits
 
 # Decode-token curves are smoothed over this many tokens.
 WINDOW = 8

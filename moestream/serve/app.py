@@ -1,0 +1,367 @@
+"""The HTTP side: mlx_lm.server's handler and response generator around the
+served model, and the Server that binds them to a port."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.server import (
+    APIHandler,
+    ResponseGenerator,
+    get_system_fingerprint,
+)
+
+from ..generate import chat_template_text
+from ..runtime import RuntimeConfig, runtime_of
+from . import page
+from .metrics import PATHS, ServerMetrics, _Counted, render_metrics
+from .provider import (
+    RequestError,
+    ServerOptions,
+    StreamingModelProvider,
+    plan_server,
+)
+
+log = logging.getLogger(__name__)
+
+
+# mlx_lm.server's log lines (it logs each request at info, its default level).
+LOG_FORMAT = "%(asctime)s - %(levelname)s - %(message)s"
+
+
+class StreamingResponseGenerator(ResponseGenerator):
+    """mlx_lm.server's generator: at most `concurrency` requests in flight (each
+    holds a KV cache), every request within `context` tokens, and counted."""
+
+    def __init__(
+        self,
+        provider: StreamingModelProvider,
+        prompt_cache: LRUPromptCache,
+        context: int,
+        concurrency: int,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.context = context
+        self.metrics = metrics
+        self._admit = threading.BoundedSemaphore(concurrency)
+        super().__init__(provider, prompt_cache)  # starts the generation thread
+
+    def _tokenize(self, tokenizer, request, args):
+        try:
+            out = super()._tokenize(tokenizer, request, args)
+        except Exception as e:
+            raise RequestError(400, f"Cannot make a prompt of this request: {e}") from e
+        n = len(out[0])
+        if n >= self.context:
+            raise RequestError(
+                400,
+                f"The prompt has {n} tokens and the server's context is "
+                f"{self.context}; send a shorter one, or start the server with a "
+                "larger --context.",
+            )
+        args.max_tokens = min(args.max_tokens, self.context - n)  # KV stays in plan
+        return out
+
+    def generate(self, request, generation_args, progress_callback=None):
+        while not self._admit.acquire(timeout=1.0):
+            if not self.generation_available():
+                raise RuntimeError("generation thread died")
+        try:
+            ctx, responses = super().generate(
+                request, generation_args, progress_callback
+            )
+        except BaseException:
+            self._admit.release()
+            raise
+        self.metrics.start(len(ctx.prompt), ctx.prompt_cache_count)
+
+        def done() -> None:
+            self.metrics.stop()
+            self._admit.release()
+
+        return ctx, _Counted(responses, self.metrics, done)
+
+    def stop_and_join(self) -> None:
+        super().stop_and_join()
+        _wait_ended(self._generation_thread)
+
+
+def _wait_ended(thread: threading.Thread, timeout: float = 5.0) -> None:
+    """Wait until the OS thread is gone, thread-local destructors included.
+
+    MLX's per-thread compile cache releases Python objects when the thread
+    ends, after `join` has returned; racing interpreter shutdown, that aborts
+    the process ("terminate called without an active exception"). Linux only.
+    """
+    task = Path(f"/proc/self/task/{thread.native_id}")
+    deadline = time.monotonic() + timeout
+    while task.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+class StreamingAPIHandler(APIHandler):
+    """mlx_lm.server's handler, plus /metrics and a /v1/models of the served model."""
+
+    def __init__(self, server_state: Server, *args: Any, **kwargs: Any) -> None:
+        self.server_state = server_state
+        super().__init__(server_state.generator, *args, **kwargs)
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        path = getattr(self, "path", "").partition("?")[0]  # unset: a bad request line
+        self.server_state.metrics.response(path if path in PATHS else "other", code)
+        super().send_response(code, message)
+
+    def _set_completion_headers(self, status_code: int = 200):
+        if status_code == 404:  # mlx_lm answers 404 to every generation error
+            status_code = _status_of(sys.exc_info()[1], status_code)
+        super()._set_completion_headers(status_code)
+
+    def validate_model_parameters(self) -> None:
+        super().validate_model_parameters()
+        served = self.server_state.model_id
+        if self.requested_model not in self.server_state.aliases:
+            raise ValueError(
+                f"Model {self.requested_model!r} is not served here; this server "
+                f"serves {served!r} (GET /v1/models)."
+            )
+        self.requested_model = served
+
+    def generate_response(self, *args: Any, **kwargs: Any) -> dict:
+        response = super().generate_response(*args, **kwargs)
+        top, chosen = kwargs.get("top_tokens"), kwargs.get("token_logprobs")
+        if top and chosen:
+            # mlx_lm names each token by the first of its unsorted top-n: name
+            # the sampled one, and list the alternatives best first.
+            ids = kwargs["tokens"]
+            names = self.server_state.provider.tokenizer.convert_ids_to_tokens(ids)
+            response["choices"][0]["logprobs"]["content"] = [
+                {
+                    "id": i,
+                    "token": name,
+                    "logprob": logprob,
+                    "top_logprobs": sorted(t, key=lambda d: -d["logprob"]),
+                }
+                for i, name, logprob, t in zip(ids, names, chosen, top, strict=True)
+            ]
+        return response
+
+    def do_GET(self) -> None:
+        path = self.path.partition("?")[0]
+        if path == "/metrics":
+            self._send_text(self.server_state.metrics_text())
+        elif page.answer(self, self.server_state, self.server_state.closing):
+            pass  # the page, /stats and /stats/stream
+        elif path.rstrip("/") == "/v1/models":
+            self._send_json(200, {"object": "list", "data": [self._model_card()]})
+        elif path.startswith("/v1/models/"):
+            if path.removeprefix("/v1/models/") in self.server_state.aliases:
+                self._send_json(200, self._model_card())
+            else:
+                self._send_json(404, {"error": f"No model {path[11:]!r} here."})
+        else:
+            super().do_GET()
+
+    def _model_card(self) -> dict:
+        return {
+            "id": self.server_state.model_id,
+            "object": "model",
+            "created": self.server_state.created,
+            "owned_by": "moestream",
+        }
+
+    def _send_json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_text(self, text: str) -> None:
+        data = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+def _status_of(error: BaseException | None, default: int) -> int:
+    if isinstance(error, RequestError):
+        return error.status
+    if isinstance(error, RuntimeError):  # the generation thread is gone
+        return 503
+    return 500 if error is not None else default
+
+
+class Server:
+    """A running `moestream serve`: the model loaded, the port bound.
+
+    with Server(out, RuntimeConfig(cache_experts=4), port=0) as server:
+        openai.OpenAI(base_url=server.url + "/v1", api_key="-")
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        config: RuntimeConfig | None = None,
+        options: ServerOptions | None = None,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        log_level: str | None = None,
+        pipeline: bool = False,
+    ) -> None:
+        self.directory = Path(directory)
+        self.options = options or ServerOptions()
+        self.rank, self.ranks = 0, 1
+        self.closing = threading.Event()  # ends the page's stats streams
+        if pipeline:  # one rank of mlx.launch: plan this rank's layers
+            from ..pipeline import init, shard, stages, together
+
+            group, cfg = init(), config or RuntimeConfig()
+            self.rank, self.ranks = group.rank(), group.size()
+            mine = together(group, lambda: stages(directory, group.size(), cfg))
+            cut = shard(mine[self.rank])
+            self.plan = together(
+                group, lambda: plan_server(directory, cfg, self.options, cut)
+            )
+        else:
+            self.plan = plan_server(directory, config or RuntimeConfig(), self.options)
+        self.model_id = self.directory.resolve().name
+        self.aliases = {
+            self.model_id,
+            "default_model",
+            str(directory),
+            str(self.directory.resolve()),
+        }
+        self.created = int(time.time())
+        self.metrics = ServerMetrics()
+        self.prompt_cache = LRUPromptCache(
+            self.plan.prompt_cache_entries, self.plan.prompt_cache_bytes
+        )
+        self.provider = StreamingModelProvider(
+            self._cli_args(log_level), self.model_id, self.plan.runtime, pipeline
+        )
+        self.generator = StreamingResponseGenerator(
+            self.provider,
+            self.prompt_cache,
+            self.plan.runtime.context,
+            self.plan.decode_concurrency,
+            self.metrics,
+        )
+        self._thread: threading.Thread | None = None
+        self.provider.loaded.wait()
+        try:
+            if self.provider.load_error is not None:
+                raise self.provider.load_error
+            # the other ranks follow rank 0's requests (mlx_lm.server's way)
+            self.httpd = _bind(host, port, self) if self.rank == 0 else None
+        except BaseException:
+            self.generator.stop_and_join()
+            raise
+
+    def _cli_args(self, log_level: str | None) -> argparse.Namespace:
+        o = self.options
+        c = self.plan.decode_concurrency
+        return argparse.Namespace(
+            model=str(self.directory),
+            adapter_path=None,
+            draft_model=None,
+            num_draft_tokens=0,
+            trust_remote_code=False,
+            chat_template=chat_template_text(o.chat_template),
+            use_default_chat_template=o.use_default_chat_template,
+            chat_template_args=dict(o.chat_template_args),
+            temp=o.temp,
+            top_p=o.top_p,
+            top_k=o.top_k,
+            min_p=o.min_p,
+            max_tokens=o.max_tokens,
+            decode_concurrency=c,
+            prompt_concurrency=min(o.prompt_concurrency, c),
+            prefill_step_size=o.prefill_step_size,
+            prompt_cache_size=self.plan.prompt_cache_entries,
+            prompt_cache_bytes=None,  # our LRUPromptCache holds its own bound
+            kv_bits=o.kv_bits,
+            kv_group_size=o.kv_group_size,
+            quantized_kv_start=o.quantized_kv_start,
+            pipeline=False,
+            allowed_origins=list(o.allowed_origins),
+            log_level=log_level or "INFO",
+        )
+
+    @property
+    def model(self):
+        return self.provider.model
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+
+    def describe(self) -> str:
+        return self.plan.describe(runtime_of(self.model).plan)
+
+    def serve_forever(self) -> None:
+        if self.httpd is None:
+            self.generator.join()  # until rank 0 stops
+            return
+        self.httpd.serve_forever(poll_interval=0.2)
+
+    def start(self) -> Server:
+        """Serve from a background thread (tests, notebooks)."""
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop answering, finish the generation thread, free the model."""
+        self.closing.set()
+        if self._thread is not None and self.httpd is not None:
+            self.httpd.shutdown()
+            self._thread.join(timeout=10)
+        if self.httpd is not None:
+            self.httpd.server_close()
+        self.generator.stop_and_join()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def metrics_text(self) -> str:
+        return render_metrics(
+            self.metrics, self.model, self.plan.budget, self.prompt_cache
+        )
+
+
+def _bind(host: str, port: int, state: Server) -> ThreadingHTTPServer:
+    """The socket as mlx_lm.server's _run_http_server binds it (IPv4 or IPv6)."""
+    family, _, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    fingerprint = get_system_fingerprint()
+
+    class HTTPServer(ThreadingHTTPServer):
+        address_family = family
+        daemon_threads = True
+
+    return HTTPServer(
+        address,
+        lambda *a, **k: StreamingAPIHandler(
+            state, *a, system_fingerprint=fingerprint, **k
+        ),
+    )
