@@ -11,7 +11,6 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -46,19 +45,16 @@ def wider(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["native", "python"])
-def server(request, wider: Path):
-    """8 slots a layer; native: a host tier of 64 of the 192 records, a budget."""
-    config = RuntimeConfig(cache_experts=8, context=256, engine=request.param)
-    if request.param == "native":
-        record = max(x.record_nbytes for x in load_manifest(wider).layers)
-        config = replace(config, host_budget=64 * record, memory_budget="1G")
+@pytest.fixture(scope="module")
+def server(wider: Path):
+    """The native engine, 8 slots a layer, a host tier of 64 of the 192
+    records, a budget (the python engine's counts: test_engines_count_...)."""
+    record = max(x.record_nbytes for x in load_manifest(wider).layers)
+    config = RuntimeConfig(
+        cache_experts=8, context=256, host_budget=64 * record, memory_budget="1G"
+    )
     with Server(wider, config, ServerOptions(max_tokens=16), port=0) as s:
         yield s
-
-
-# Tests that need one engine only take the native one (the default).
-NATIVE = pytest.mark.parametrize("server", ["native"], indirect=True)
 
 
 def get(server: Server, path: str) -> tuple[int, bytes, str]:
@@ -130,11 +126,8 @@ def test_stream_sends_count_events_then_ends(server: Server) -> None:
     assert [layer["layer"] for layer in e["layers"]] == list(range(6))
     assert e["slots_visible"]
     tier = e["host_tier"]
-    if server.plan.runtime.engine == "native":
-        assert tier["records"] == 64 and 0 < tier["filled"] <= 64
-        assert e["memory"]["budget"] == 1 << 30
-    else:
-        assert tier is None and e["memory"]["budget"] == 0
+    assert tier["records"] == 64 and 0 < tier["filled"] <= 64
+    assert e["memory"]["budget"] == 1 << 30
     assert e["memory"]["rss"] > 0 and e["memory"]["dense"] > 0
 
 
@@ -162,7 +155,6 @@ def test_snapshot_equals_metrics_and_the_slots(server: Server) -> None:
         assert set(held) <= set(np.flatnonzero(used).tolist())
 
 
-@NATIVE
 def test_concurrent_requests_while_streaming(server: Server) -> None:
     """Three chats at once and a stream reading: all counted, nothing lost."""
     before = metrics(server)
@@ -214,7 +206,6 @@ def test_stream_ends_when_the_server_closes(wider: Path) -> None:
     assert not reader.is_alive() and len(got) >= 1
 
 
-@NATIVE
 def test_bad_stream_query_gets_one_line(server: Server) -> None:
     status, body, _ = get(server, "/stats/stream?interval=fast")
     assert status == 400
@@ -223,7 +214,6 @@ def test_bad_stream_query_gets_one_line(server: Server) -> None:
     assert status == 400 and "count must be 1 or more" in json.loads(body)["error"]
 
 
-@NATIVE
 def test_page_files_are_served_and_self_contained(server: Server) -> None:
     status, body, kind = get(server, "/")
     assert status == 200 and kind.startswith("text/html")
@@ -238,10 +228,11 @@ def test_page_files_are_served_and_self_contained(server: Server) -> None:
 
 
 def test_engines_count_uses_as_hits_and_misses(wider: Path) -> None:
-    """Python and native engines count the same uses, layer by layer."""
+    """Python and native engines count the same uses, layer by layer, and
+    hold the same experts in their slots."""
     from mlx_lm.generate import generate
 
-    uses = {}
+    uses, tables = {}, {}
     for engine in ("python", "native"):
         model, tok = moestream.load(wider, cache_experts=6, engine=engine)
         generate(model, tok, "count me", max_tokens=8)
@@ -251,9 +242,14 @@ def test_engines_count_uses_as_hits_and_misses(wider: Path) -> None:
         assert total == s.hits + s.misses
         assert sum(s.per_layer_misses.values()) == s.misses
         uses[engine] = {k: v.tolist() for k, v in s.expert_uses.items()}
+        tables[engine] = [  # which experts hold a slot (slots are picked apart)
+            np.flatnonzero(m.slot_table() < m.capacity).tolist()
+            for m in streaming_layers(model)
+        ]
         s.reset()
         assert s.expert_uses == {} and s.per_layer_misses == {}
     assert uses["python"] == uses["native"]
+    assert tables["python"] == tables["native"]  # the same policy, the same experts
 
 
 def test_host_tier_fill_is_what_it_holds(wider: Path) -> None:
@@ -379,7 +375,6 @@ def panel_settles(page, server: Server) -> tuple[dict, dict]:
 
 
 @ui
-@NATIVE
 def test_page_chat_streams_the_greedy_answer(page, server: Server) -> None:
     page.fill("#max-tokens", "12")
     page.fill("#temperature", "0")
@@ -394,7 +389,6 @@ def test_page_chat_streams_the_greedy_answer(page, server: Server) -> None:
 
 
 @ui
-@NATIVE
 def test_page_with_concurrent_requests_and_history(page, server: Server) -> None:
     """Other clients' requests while the page chats; a second turn, a system
     prompt and a stop sequence reach the API as the page shows them."""
