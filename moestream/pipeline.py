@@ -40,6 +40,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .families import layer_index
 from .formats import load_manifest
 from .formats.dtypes import DTYPE_NAMES
+from .generate import Sampling, generate, report
 from .runtime.config import RuntimeConfig
 from .runtime.loader import (
     MemoryPlan,
@@ -427,15 +428,13 @@ def run_rank(
     encode: Callable[[TokenizerWrapper], list[int]],
     engine: dict,
     max_tokens: int,
-    sampling: Any,
+    sampling: Sampling,
     seed: int | None,
     on_text: Callable[[str], None] | None = None,
     show_plan: bool = False,
 ) -> dict | None:
     """run-moe --pipeline on this rank: generate with every rank in step;
     rank 0 returns run-moe's report, with every rank's figures under "ranks"."""
-    from .runtime.cli import generate, report
-
     group = init()
     with ended_by_launcher(group.rank()), lost_peers(group):
         tok = _tokenizer(path, engine.get("verify", True))

@@ -343,23 +343,26 @@ def format_plan(result: dict[str, Any]) -> str:
                 f"outside the total{bound}",
             )
         )
-    if "forecast" not in result:
-        return "\n".join(lines)
-    pr = result["probe"]
-    lines.append(
+    if "forecast" in result:
+        lines += _forecast_lines(result["probe"], result["forecast"])
+    return "\n".join(lines)
+
+
+def _forecast_lines(pr: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The probes' figures and the forecast table of `moestream plan`."""
+    lines = [
         f"probe: compute {1 / pr['token_s']:.2f} tok/s with every expert in a "
         f"slot; {1e3 * pr['miss_s']:.2f} ms per miss beyond its bytes; records "
         f"read cold at {pr['disk_qd1_gbps']:.2f} GB/s one at a time, "
         f"{pr['disk_parallel_gbps']:.2f} GB/s in parallel, "
         f"{pr['page_cache_gbps']:.2f} GB/s from the page cache"
-    )
-    rows = result["forecast"]
+    ]
     if rows[0]["misses_per_token"] == 0:
         lines.append(
             f"forecast: decode ~{rows[0]['warm_tps']:.2f} tok/s (every expert in a "
             "slot: no reads)"
         )
-        return "\n".join(lines)
+        return lines
     lines.append("forecast, decode tok/s by hit rate (the first: uniform routing):")
     lines.append("  hit rate  misses/token  MB/token  warm tok/s  cold tok/s")
     for f in rows:
@@ -368,7 +371,7 @@ def format_plan(result: dict[str, Any]) -> str:
             f"{f['bytes_per_token'] / 1e6:>8.2f}  {f['warm_tps']:>10.2f}  "
             f"{f['cold_tps']:>10.2f}"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def plan_ranks(path: str | Path, cfg: RuntimeConfig, ranks: int) -> dict[str, Any]:

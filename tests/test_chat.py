@@ -92,7 +92,7 @@ def test_a_full_conversation_is_refused_until_reset(converted: Path) -> None:
 def test_chat_flags_reach_the_config_the_model_was_loaded_with(
     converted: Path, monkeypatch
 ) -> None:
-    import moestream.chat
+    import moestream.cli.chat
 
     loaded = []
 
@@ -101,15 +101,15 @@ def test_chat_flags_reach_the_config_the_model_was_loaded_with(
         loaded.append(moestream.runtime_of(model).config)
         return model, tok
 
-    monkeypatch.setattr(moestream.chat, "load", load)
+    monkeypatch.setattr(moestream.cli.chat, "load", load)
     flags = ["--cache-experts", "5", "--context", "64", "--policy", "lru"]
     flags += ["--lrfu-decay", "0.5", "--no-verify", "--prefetch-extra", "1"]
-    r = CliRunner().invoke(moestream.chat.chat_cmd, [str(converted), *flags], "q\n")
+    r = CliRunner().invoke(moestream.cli.chat.chat_cmd, [str(converted), *flags], "q\n")
     assert r.exit_code == 0, r.output
     (config,) = loaded
     assert (config.cache_experts, config.context, config.policy) == (5, 64, "lru")
     assert (config.lrfu_decay, config.verify, config.prefetch_extra) == (0.5, False, 1)
     args = [str(converted), "--engine", "python", "--prefetch"]
-    bad = CliRunner().invoke(moestream.chat.chat_cmd, args)
+    bad = CliRunner().invoke(moestream.cli.chat.chat_cmd, args)
     assert bad.exit_code == 2
     assert re.fullmatch(r"error: The python engine does not prefetch.*\n", bad.output)

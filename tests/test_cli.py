@@ -16,9 +16,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 
 from moestream.cli.convert import main as convert_main
+from moestream.cli.run import main as run_main
+from moestream.generate import encode_prompt
 from moestream.runtime import native
-from moestream.runtime.cli import encode_prompt
-from moestream.runtime.cli import main as run_main
 
 
 def run(args: list[str]):

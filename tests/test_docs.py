@@ -34,7 +34,7 @@ FOREIGN = {
 def _entry_points() -> dict[str, click.Command]:
     from moestream.cli import main as moestream_main
     from moestream.cli.convert import main as convert_main
-    from moestream.runtime.cli import main as run_main
+    from moestream.cli.run import main as run_main
 
     return {
         "moestream": moestream_main,

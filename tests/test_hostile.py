@@ -16,7 +16,7 @@ from helpers import BITS, edit_manifest
 
 from moestream.cli import main as moestream_main
 from moestream.cli.convert import main as convert_main
-from moestream.runtime.cli import main as run_main
+from moestream.cli.run import main as run_main
 
 
 def invoke(command, args: list[str]):

@@ -188,7 +188,7 @@ def test_host_budget_too_small_is_one_line(converted):
 def test_run_moe_stats_show_the_host_tier(converted):
     from click.testing import CliRunner
 
-    from moestream.runtime.cli import main as run_main
+    from moestream.cli.run import main as run_main
 
     args = [str(converted), "-p", "def", "-m", "6", "--ignore-chat-template"]
     tier = ["--engine", "native", "--cache-experts", "3", "--host-budget", "64M"]

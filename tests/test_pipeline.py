@@ -62,15 +62,18 @@ def _free(port: int) -> bool:
     return True
 
 
-def launch_args(n: int, *command: str) -> list[str]:
-    """`mlx.launch -n N --backend ring` on free local ports, then `command`."""
-    args = [str(BIN / "mlx.launch"), "-n", str(n), "--backend", "ring"]
-    return [*args, "--starting-port", str(free_ports(n)), "--", *command]
+def launch_args(n: int, *command: str, backend: str = "ring") -> list[str]:
+    """`mlx.launch -n N --backend B` on free local ports, then `command`."""
+    args = [str(BIN / "mlx.launch"), "-n", str(n), "--backend", backend]
+    port = "--nccl-port" if backend == "nccl" else "--starting-port"
+    return [*args, port, str(free_ports(n)), "--", *command]
 
 
-def launch(n: int, *command: str, stdin: str = "") -> subprocess.CompletedProcess:
-    """`mlx.launch -n N --backend ring -- command`, killed whole on a timeout."""
-    args = launch_args(n, *command)
+def launch(
+    n: int, *command: str, stdin: str = "", backend: str = "ring"
+) -> subprocess.CompletedProcess:
+    """`mlx.launch -n N --backend B -- command`, killed whole on a timeout."""
+    args = launch_args(n, *command, backend=backend)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     p = subprocess.Popen(
         args,
@@ -261,7 +264,7 @@ def test_a_rank_that_dies_ends_the_others(tmp_path, converted) -> None:
 def test_pipeline_refuses_what_it_does_not_run(converted: Path) -> None:
     from click.testing import CliRunner
 
-    from moestream.runtime.cli import main
+    from moestream.cli.run import main
 
     r = CliRunner().invoke(
         main, [str(converted), "--pipeline", "-p", "x", "--draft-model", "d"]

@@ -21,9 +21,9 @@ from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
+from moestream.cli.run import main as run_main
 from moestream.formats import load_manifest
 from moestream.runtime import ExpertReadError, native
-from moestream.runtime.cli import main as run_main
 
 # "tier": the native engine reading through its host tier's reader threads.
 ENGINES = ["python"] + (["native", "tier"] if native.available() else [])

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +27,9 @@ from helpers import (
     mlx_lm_generate,
 )
 
+from moestream.cli import main as cli
+from moestream.cli.run import main as run_moe
 from moestream.runtime import native
-from moestream.runtime.cli import main as run_moe
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 ENGINES = ["python"] + ["native"] * native.available()
@@ -107,16 +106,9 @@ def test_chat_seed_answers_as_mlx_lm_chat(models) -> None:
     talk = "hello there\nhow are you\nq\n"
     flags = ["--temp", "1.0", "--seed", "5", "--max-tokens", "12"]
     theirs = mlx_lm_command("chat", "--model", str(mlx_dir), *flags)
-    ours = subprocess.run(
-        [str(Path(sys.executable).parent / "moestream"), "chat", str(out), *flags],
-        input=talk,
-        capture_output=True,
-        text=True,
-        encoding="utf-8",
-        timeout=COMMAND_TIMEOUT,
-    )
+    ours = CliRunner().invoke(cli, ["chat", str(out), *flags], input=talk)
     stdout, err = theirs.communicate(talk, timeout=COMMAND_TIMEOUT)
-    assert theirs.returncode == 0 and ours.returncode == 0, err + ours.stderr
+    assert theirs.returncode == 0 and ours.exit_code == 0, err + ours.output
     want = chat_replies(stdout, mlx_lm=True)
     assert len(want) == 2, stdout
     assert chat_replies(ours.stdout, mlx_lm=False) == want

@@ -406,10 +406,10 @@ ENGINE_FLAGS = {
 def test_serve_and_chat_take_every_engine_flag() -> None:
     """The one generated set (options.engine_options): every RuntimeConfig
     field, with the help run-moe shows, but those serve sets otherwise."""
-    from moestream.chat import chat_cmd
+    from moestream.cli.chat import chat_cmd
+    from moestream.cli.run import main as run_main
     from moestream.cli.serve import ENGINE_EXCLUDED
     from moestream.options import engine_fields, field_help
-    from moestream.runtime.cli import main as run_main
 
     expected = set(engine_fields(exclude=ENGINE_EXCLUDED))
     assert expected == {f.name for f in fields(RuntimeConfig)} - {

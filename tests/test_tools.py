@@ -24,12 +24,12 @@ from mlx_lm.utils import compute_bits_per_weight, load_tokenizer
 import moestream
 import moestream.plan
 from moestream.cli import main as cli
+from moestream.cli.run import main as run_main
 from moestream.evaluate import evaluate, sequences
+from moestream.generate import encode_prompt
 from moestream.options import engine_options, field_help
-from moestream.reference import resident_from_converted, resident_model
+from moestream.reference import resident_from_converted
 from moestream.runtime import RuntimeConfig, loader, native
-from moestream.runtime.cli import encode_prompt
-from moestream.runtime.cli import main as run_main
 from moestream.trace import read_trace
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 12
@@ -125,13 +125,15 @@ def test_log_level_and_v_reach_logging(converted: Path, flags) -> None:
 
 
 def test_sampling_flags_match_mlx_lm(converted: Path, hf_dir: Path, recipe) -> None:
+    from moestream.reference import resident_model
+
     out = run_json(
         converted,
         *("--temp", 0.8, "--top-k", 5, "--min-p", 0.05, "--seed", 7),
         *("--cache-experts", 3),
     )
     tok = load_tokenizer(converted)
-    mx.random.seed(7)  # before building, as run-moe seeds before loading
+    mx.random.seed(7)  # before the model is built, as run-moe and mlx-lm seed
     reference = resident_model(hf_dir, recipe)
     sampler = make_sampler(0.8, 1.0, 0.05, top_k=5)
     want = resident_tokens(reference, tok.encode("def add"), 10, sampler=sampler)
@@ -382,7 +384,7 @@ def test_plan_is_the_plan_load_makes(converted: Path, flags, options) -> None:
     r = invoke(cli, ["plan", converted, "--no-forecast", "--json", *flags])
     assert r.exit_code == 0, r.output
     plan = json.loads(r.output)["plan"]
-    # the context plan assumed (run-moe's prompt plus --max-tokens), unless given
+    # plan sizes run-moe's context (test_plan_sizes_the_context_as_run_moe)
     model, _ = moestream.load(converted, **{"context": plan["context"], **options})
     loaded = moestream.runtime_of(model).plan
     for name in PLAN_FIELDS:

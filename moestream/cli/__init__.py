@@ -6,14 +6,14 @@ from __future__ import annotations
 import click
 
 from ..bench.commands import bench_group as bench_cmd
-from ..chat import chat_cmd
 from ..options import CONTEXT, common_options
-from ..runtime.cli import main as run_cmd
+from .chat import chat_cmd
 from .convert import main as convert_cmd
 from .eval import eval_cmd
 from .info import info_cmd
 from .plan import plan_cmd
 from .plot import plot_cmd
+from .run import main as run_cmd
 from .serve import serve_cmd
 from .verify import verify_cmd
 

@@ -22,7 +22,7 @@ def run_prompt_ids(
     tok: object, prompt: str, ignore_chat_template: bool, system_prompt: str | None
 ) -> list[int]:
     """The prompt's tokens as run-moe encodes its --prompt."""
-    from ..runtime.cli import encode_prompt, read_prompt
+    from ..generate import encode_prompt, read_prompt
 
     return encode_prompt(tok, read_prompt(prompt), ignore_chat_template, system_prompt)
 
