@@ -48,7 +48,7 @@ test-ui: $(STAMP)
 		&& apt-get install -y -qq chromium; } || { echo "test-ui: no chromium; \
 		as root: apt-get install chromium"; exit 1; }
 	@$(BIN)/python -c "import playwright" 2>/dev/null || $(PIP) "playwright>=1.40,<2"
-	$(BIN)/pytest -q -p no:xdist -m ui tests/test_web.py
+	$(BIN)/pytest -q -p no:xdist -m ui tests/test_web.py --screenshot docs/serve-page.png
 
 demo: $(STAMP)
 	$(BIN)/convert-moe examples/stdlib-moe $(DEMO_OUT) --force

@@ -30,7 +30,6 @@ from moestream.serve.page import page_file
 
 TIMEOUT = 30  # seconds, for every request, stream and page wait here
 CHROMIUM = "/usr/bin/chromium"
-DOCS = Path(__file__).parent.parent / "docs"
 # A little wider than conftest's model: six MoE layers of 32 experts, top 4.
 WIDER = {"num_hidden_layers": 6, "num_experts": 32, "num_experts_per_tok": 4}
 
@@ -389,7 +388,9 @@ def test_page_chat_streams_the_greedy_answer(page, server: Server) -> None:
 
 
 @ui
-def test_page_with_concurrent_requests_and_history(page, server: Server) -> None:
+def test_page_with_concurrent_requests_and_history(
+    page, server: Server, request, tmp_path: Path
+) -> None:
     """Other clients' requests while the page chats; a second turn, a system
     prompt and a stop sequence reach the API as the page shows them."""
     page.fill("#max-tokens", "12")
@@ -419,4 +420,6 @@ def test_page_with_concurrent_requests_and_history(page, server: Server) -> None
     shown, m = panel_settles(page, server)
     assert shown["bytesRead"] == m["moestream_expert_bytes_read_total"]
     page.wait_for_timeout(500)  # a few more samples into the charts
-    page.screenshot(path=str(DOCS / "serve-page.png"), full_page=True)
+    shot = request.config.getoption("screenshot") or tmp_path / "page.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert Path(shot).stat().st_size > 10_000
