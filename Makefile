@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_OUT := build/stdlib-moe
 LINTED := moestream tests examples scripts
 
-.PHONY: install test test-all demo bench lint format clean
+.PHONY: install test test-all test-ui demo bench lint format clean
 
 NATIVE := setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc/CMakeLists.txt)
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check
@@ -40,6 +40,15 @@ test: lint
 
 test-all: lint
 	$(BIN)/pytest -q -m "" $(XDIST)
+
+# The page's tests in a real browser: Chromium from apt-get (as root) and
+# Playwright from PyPI if missing (it drives the system's Chromium).
+test-ui: $(STAMP)
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
+		&& apt-get install -y -qq chromium; } || { echo "test-ui: no chromium; \
+		as root: apt-get install chromium"; exit 1; }
+	@$(BIN)/python -c "import playwright" 2>/dev/null || $(PIP) "playwright>=1.40,<2"
+	$(BIN)/pytest -q -p no:xdist -m ui tests/test_web.py --screenshot docs/serve-page.png
 
 demo: $(STAMP)
 	$(BIN)/convert-moe examples/stdlib-moe $(DEMO_OUT) --force

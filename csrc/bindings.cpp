@@ -185,4 +185,19 @@ NB_MODULE(_native, m) {
       },
       "cache"_a, "inds"_a, "predicted"_a = nb::none(), "call"_a = -1,
       "Slot ids for routed expert ids; misses are read inside the stream.");
+
+  // What the serve page draws (moestream/web): each expert's uses, the
+  // tier's fill. Read from the HTTP threads while the stream runs.
+  m.def(
+      "take_uses",
+      [](ExpertCache& c) {
+        std::vector<int64_t> out(c.uses.size());
+        for (size_t e = 0; e < out.size(); e++) {
+          out[e] = c.uses[e].exchange(0);
+        }
+        return out;
+      },
+      "cache"_a, "Per expert, the calls that routed to it since the last take.");
+  m.def("tier_filled", &HostTier::filled, "tier"_a,
+        "Records the host tier holds or is reading.");
 }

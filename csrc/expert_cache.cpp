@@ -140,6 +140,7 @@ ExpertCache::ExpertCache(
   for (int s = capacity - 1; s >= 0; s--) {
     free_.push_back(s);
   }
+  uses = std::vector<std::atomic<int64_t>>(num_experts);
   fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) {
     throw std::runtime_error(os_error("Cannot open " + path));
@@ -423,6 +424,7 @@ void ExpertCache::resolve(
     rec->prefetched = std::exchange(hinted_, {});
   }
   for (int e : unique) {
+    uses[e].fetch_add(1, std::memory_order_relaxed);
     if (prefetched_[e]) {
       counters.prefetched_used += 1;
     }

@@ -140,6 +140,9 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   const std::string path_;
   const int layer_;
   Counters counters;
+  // Per expert: the calls resolved on the host that routed to it (hits plus
+  // misses, one a call); the page's heat map (moestream/web).
+  std::vector<std::atomic<int64_t>> uses;
   std::string error; // the first read error of a stream-side fetch
   std::mutex error_mutex;
   void set_error(const std::string& e);

@@ -53,6 +53,15 @@ bool HostTier::holds(int64_t key) {
   return slot_of_[key] >= 0;
 }
 
+int64_t HostTier::filled() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t n = 0;
+  for (int64_t key : key_in_) {
+    n += key >= 0;
+  }
+  return n;
+}
+
 std::vector<int64_t> HostTier::keys() {
   std::lock_guard<std::mutex> lock(mutex_);
   return key_in_;

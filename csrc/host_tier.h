@@ -58,6 +58,8 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   bool holds(int64_t key);
   // The key in each slot (-1: empty), for tests that compare two tiers.
   std::vector<int64_t> keys();
+  // Records held or being read (the page's tier fill, moestream/web).
+  int64_t filled();
 
   const int64_t capacity, record_bytes;
   const bool pinned;

@@ -54,8 +54,20 @@ def copy(converted: Path, tmp_path: Path) -> Path:
     return out
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--screenshot",
+        default=None,
+        help="Where the page's browser test saves its screenshot (make test-ui: "
+        "docs/serve-page.png); default: a temporary file.",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # pyproject.toml lists `slow`; `device` is registered here
     config.addinivalue_line(
         "markers", "device: needs an accelerator (a GPU); skipped without one"
+    )
+    config.addinivalue_line(
+        "markers", "ui: in a real browser (make test-ui); skipped without one"
     )

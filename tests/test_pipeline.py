@@ -363,6 +363,11 @@ def test_serve_pipeline_answers_as_the_resident_model(qwen2) -> None:
         )
         with urllib.request.urlopen(request, timeout=60) as response:
             text = json.loads(response.read())["choices"][0]["text"]
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(base + "/stats", timeout=60) as response:
+            snap = json.loads(response.read())  # the page's: rank 0's view
+        with urllib.request.urlopen(base + "/metrics", timeout=60) as response:
+            hits = response.read().decode().splitlines()
     finally:
         os.killpg(p.pid, signal.SIGTERM)
         try:
@@ -373,3 +378,7 @@ def test_serve_pipeline_answers_as_the_resident_model(qwen2) -> None:
     tok = load_tokenizer(out)
     prompt = tok.encode("def add")
     assert text == mlx_generate(ref, tok, prompt, max_tokens=12)
+    assert (snap["rank"], snap["ranks"]) == (0, 2)
+    mine = [layer["layer"] for layer in snap["layers"]]
+    assert mine and mine == sorted(mine) and len(mine) < len(load_manifest(out).layers)
+    assert f"moestream_expert_hits_total {snap['experts']['hits']}" in hits

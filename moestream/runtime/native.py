@@ -173,3 +173,14 @@ def fetch(
     """Slot ids for `indices`; the misses are read when MLX evaluates them, and
     the call's counts recorded under `call` (RuntimeStats.next_step)."""
     return _native.fetch(cache, indices, predicted, call)
+
+
+def take_uses(cache: object) -> list[int]:
+    """Per expert of the cache's layer, the calls that routed to it since the
+    last take (resolved on the host: a device kernel's are not counted)."""
+    return _native.take_uses(cache)
+
+
+def tier_filled(tier: object) -> int:
+    """Records the host tier holds or is reading."""
+    return _native.tier_filled(tier)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import MISSING, dataclass, field, fields
 
 import mlx.core as mx
 import numpy as np
+
+from . import native
 
 
 @dataclass
@@ -38,6 +41,9 @@ class RuntimeStats:
     host_misses: int = 0
     host_evictions: int = 0
     per_layer_misses: dict[int, int] = field(default_factory=dict)
+    # Per MoE layer, per expert: the calls that routed to it (a hit or a miss
+    # each; not counted by calls of a layer that holds every expert for good).
+    expert_uses: dict[int, np.ndarray] = field(default_factory=dict)
     # With RuntimeConfig.record_trace: one event per MoE layer call (`events`).
     recording: bool = False
     _events: list[dict] = field(default_factory=list, repr=False)
@@ -48,6 +54,8 @@ class RuntimeStats:
     native: list = field(default_factory=list, repr=False)
     # Layer -> its native expert cache, whose call records fill `events`.
     native_layers: dict[int, object] = field(default_factory=dict, repr=False)
+    # `collect` runs in any thread (/metrics, the page's stream): one at a time.
+    _collecting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def hit_rate(self) -> float:
@@ -72,6 +80,10 @@ class RuntimeStats:
     def wasted_bytes(self) -> int:
         per = self.prefetch_bytes / self.prefetched if self.prefetched else 0
         return int((self.prefetched - self.prefetched_used) * per)
+
+    def used(self, layer: int, experts: np.ndarray, num_experts: int) -> None:
+        """One call of `layer` routed to `experts` (unique ids)."""
+        self._uses(layer, num_experts)[experts] += 1
 
     def next_step(self, layer: int) -> int:
         """The step `record` gives this layer's next call: the id the native
@@ -149,10 +161,28 @@ class RuntimeStats:
 
     def collect(self) -> RuntimeStats:
         """Fold in what the native caches counted since the last collect."""
-        for cache in self.native:
-            for name, value in cache.take_counters().items():
-                setattr(self, name, getattr(self, name) + value)
+        with self._collecting:
+            layer_of = {id(c): layer for layer, c in self.native_layers.items()}
+            for cache in self.native:
+                counts = cache.take_counters()
+                for name, value in counts.items():
+                    setattr(self, name, getattr(self, name) + value)
+                if id(cache) in layer_of:
+                    self._collect_layer(layer_of[id(cache)], cache, counts["misses"])
         return self
+
+    def _collect_layer(self, layer: int, cache: object, misses: int) -> None:
+        """A native layer's own counts: its misses, each expert's uses."""
+        uses = np.array(native.take_uses(cache), np.int64)
+        self._uses(layer, uses.size)[:] += uses
+        if misses:
+            self.per_layer_misses[layer] = self.per_layer_misses.get(layer, 0) + misses
+
+    def _uses(self, layer: int, num_experts: int) -> np.ndarray:
+        uses = self.expert_uses.get(layer)
+        if uses is None:
+            uses = self.expert_uses[layer] = np.zeros(num_experts, np.int64)
+        return uses
 
     def reset(self) -> None:
         self.collect()
@@ -161,7 +191,7 @@ class RuntimeStats:
             for cache in self.native_layers.values():
                 cache.take_records()
         for f in fields(self):
-            if f.name not in ("recording", "native", "native_layers"):
+            if f.name not in ("recording", "native", "native_layers", "_collecting"):
                 default = f.default_factory if f.default is MISSING else None
                 setattr(self, f.name, default() if default else f.default)
 

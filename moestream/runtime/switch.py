@@ -138,6 +138,17 @@ class StreamingSwitchGLU(nn.Module):
     def capacity(self) -> int:
         return self._pool.capacity
 
+    @property
+    def layer(self) -> ExpertLayer:
+        return self._layer
+
+    def slot_table(self) -> np.ndarray:
+        """Expert -> slot (`capacity` where absent) as the host knows it; any
+        thread may read it (the page's view of the slots)."""
+        if self._native is not None:
+            return np.array(self._native.table(), np.uint32)
+        return self._pool.table.copy()
+
     def _allocate_slots(self) -> list[tuple[nn.Module, str]]:
         """Replace each expert tensor of the inner module by `[capacity, ...]` slots."""
         targets = []
@@ -304,6 +315,7 @@ class StreamingSwitchGLU(nn.Module):
         s.hits += len(experts) - len(misses)
         s.misses += len(misses)
         s.evictions += max(0, len(misses) - free)
+        s.used(self._layer.layer, experts, self._layer.num_experts)
         if misses:  # the kernel reads them all in parallel while we copy each
             self._store.willneed(self._layer.layer, [e for e, _ in misses])
             self._read(misses)

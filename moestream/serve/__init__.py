@@ -9,6 +9,8 @@ request, /v1/models for the one served model, and /metrics.
     app       the handler, the response generator, the Server
     provider  the ModelProvider and the server's memory plan
     metrics   counters and /metrics
+    page      the page at / (static/), /stats and /stats/stream
+    live      the snapshots of the runtime's stats the page draws
 """
 
 from .app import LOG_FORMAT, Server

@@ -23,6 +23,7 @@ from mlx_lm.server import (
 
 from ..generate import chat_template_text
 from ..runtime import RuntimeConfig, runtime_of
+from . import page
 from .metrics import PATHS, ServerMetrics, _Counted, render_metrics
 from .provider import (
     RequestError,
@@ -158,6 +159,8 @@ class StreamingAPIHandler(APIHandler):
         path = self.path.partition("?")[0]
         if path == "/metrics":
             self._send_text(self.server_state.metrics_text())
+        elif page.answer(self, self.server_state, self.server_state.closing):
+            pass  # the page, /stats and /stats/stream
         elif path.rstrip("/") == "/v1/models":
             self._send_json(200, {"object": "list", "data": [self._model_card()]})
         elif path.startswith("/v1/models/"):
@@ -222,12 +225,13 @@ class Server:
     ) -> None:
         self.directory = Path(directory)
         self.options = options or ServerOptions()
-        self.rank = 0
+        self.rank, self.ranks = 0, 1
+        self.closing = threading.Event()  # ends the page's stats streams
         if pipeline:  # one rank of mlx.launch: plan this rank's layers
             from ..pipeline import init, shard, stages, together
 
             group, cfg = init(), config or RuntimeConfig()
-            self.rank = group.rank()
+            self.rank, self.ranks = group.rank(), group.size()
             mine = together(group, lambda: stages(directory, group.size(), cfg))
             cut = shard(mine[self.rank])
             self.plan = together(
@@ -324,6 +328,7 @@ class Server:
 
     def close(self) -> None:
         """Stop answering, finish the generation thread, free the model."""
+        self.closing.set()
         if self._thread is not None and self.httpd is not None:
             self.httpd.shutdown()
             self._thread.join(timeout=10)

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from ..runtime import runtime_of, stats
 from ..units import peak_rss
+from .page import PATHS as PAGE_PATHS
 
 # The paths /metrics counts responses of by name (others count as "other").
 PATHS = (
@@ -21,6 +22,7 @@ PATHS = (
     "/v1/models",
     "/health",
     "/metrics",
+    *PAGE_PATHS,
 )
 
 
@@ -192,6 +194,7 @@ def _experts(out: _Text, model: nn.Module, budget: int | None) -> None:
         ("expert_misses_total", s.misses, "Routed experts read from disk."),
         ("expert_evictions_total", s.evictions, "Experts evicted from a slot."),
         ("expert_bytes_read_total", s.bytes_read, "Bytes of expert records read."),
+        ("expert_fill_bytes_total", s.fill_bytes, "Bytes copied into slots."),
         ("prefetched_total", s.prefetched, "Experts read ahead."),
         ("prefetch_bytes_total", s.prefetch_bytes, "Bytes read ahead."),
     ):
