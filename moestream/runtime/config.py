@@ -16,6 +16,7 @@ BOUNDS = (
     ("prefetch_extra", 0, float("inf")),
     ("lrfu_decay", 0.0, 1.0),
     ("readers", 1, 256),
+    ("kernel_threads", 0, 256),
 )
 
 
@@ -74,6 +75,13 @@ class RuntimeConfig:
         activations are sized for that many, and each layer needs at least
         min(experts, concurrency x top-k) slots, as a batch's decode step routes
         to up to that many experts.
+    cpu_kernel: on a CPU, compute the routed experts of a call (SwitchGLU with
+        SwiGLU, affine-quantized float32) with the extension's exact kernel,
+        bit for bit MLX's gather_qmm and swiglu, over `kernel_threads` threads;
+        and the dense quantized matmuls (attention, router, lm_head) likewise.
+        False: MLX's own ops (the reference path). Layers the kernel does not
+        cover (other activations, biases, other dtypes) run MLX's ops.
+    kernel_threads: threads of the CPU kernel; 0 uses every core.
     """
 
     memory_budget: int | str | None = None
@@ -93,6 +101,8 @@ class RuntimeConfig:
     readers: int = 8
     concurrency: int = 1
     device_resolve: bool = True
+    cpu_kernel: bool = False
+    kernel_threads: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.concurrency, int) and self.concurrency >= 1):

@@ -207,6 +207,7 @@ def load(
     # every record (read at load: nothing is left to read ahead).
     if cfg.prefetches and not (full_tier and cfg.prefetch is None):
         chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
+    native.use_dense_kernel(model, cfg)  # cpu_kernel: attention, router, lm_head
     mx.eval(model.parameters())
     all_fit = plan.capacity >= plan.num_experts
     bar = tqdm(

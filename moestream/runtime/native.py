@@ -11,17 +11,26 @@ to Python between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
 holds records in host memory between the blob and the slots: its reader
 threads read a call's misses in parallel and the next layer's predicted
 experts ahead; on a GPU it is pinned memory that a copy kernel reads from.
-The Python engine (switch.py) is the reference path.
+The Python engine (engines.py) is the reference path.
+
+On a CPU, RuntimeConfig.cpu_kernel computes a call's routed experts, and the
+dense quantized matmuls, with the extension's exact kernel (csrc/cpu_experts.h):
+MLX's own float arithmetic, bit for bit, with output rows in vector lanes and
+split over threads. MLX's ops stay the reference path beside it.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
 from ..formats import ExpertLayer
+from .config import RuntimeConfig
 from .store import ExpertReadError
 
 try:  # mlx.core first: the extension links against the libmlx it loaded
@@ -173,3 +182,68 @@ def fetch(
     """Slot ids for `indices`; the misses are read when MLX evaluates them, and
     the call's counts recorded under `call` (RuntimeStats.next_step)."""
     return _native.fetch(cache, indices, predicted, call)
+
+
+def _kernel_runs(config: RuntimeConfig) -> bool:
+    return config.cpu_kernel and mx.default_device() == mx.cpu and available()
+
+
+def _affine(p: nn.Module) -> bool:
+    return p.mode == "affine" and "bias" not in p and "biases" in p
+
+
+def expert_kernel(
+    inner: SwitchGLU, config: RuntimeConfig
+) -> Callable[[mx.array, mx.array], mx.array] | None:
+    """`inner(x, slots)` computed by the CPU kernel, where it covers `inner`
+    (SwiGLU, affine-quantized projections without biases); None elsewhere.
+    Calls on other than float32 run `inner` itself."""
+    projections = [inner.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not (
+        _kernel_runs(config)
+        and isinstance(inner.activation, SwiGLU)
+        and all(
+            isinstance(p, QuantizedSwitchLinear) and _affine(p) for p in projections
+        )
+    ):
+        return None
+    specs = [(p.bits, p.group_size) for p in projections]
+    threads = config.kernel_threads
+
+    def run(x: mx.array, slots: mx.array) -> mx.array:
+        weights = [a for p in projections for a in (p.weight, p.scales, p.biases)]
+        if any(a.dtype != mx.float32 for a in [x, *weights[1::3], *weights[2::3]]):
+            return inner(x, slots)
+        return _native.expert_mlp(x, slots, weights, specs, threads)
+
+    return run
+
+
+class KernelLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose float32 matmul runs on the CPU kernel."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w, scales, biases = self["weight"], self["scales"], self["biases"]
+        if x.dtype != mx.float32 or scales.dtype != mx.float32:
+            return super().__call__(x)
+        threads = self._kernel_threads
+        y = _native.quant_matmul(
+            x, w, scales, biases, self.bits, self.group_size, threads
+        )
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def use_dense_kernel(model: nn.Module, config: RuntimeConfig) -> int:
+    """Turn the model's affine nn.QuantizedLinear layers into KernelLinear
+    (config.cpu_kernel on a CPU); the number turned."""
+    if not _kernel_runs(config):
+        return 0
+    n = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear and module.mode == "affine":
+            module.__class__ = KernelLinear
+            module._kernel_threads = config.kernel_threads
+            n += 1
+    return n
