@@ -22,7 +22,6 @@ split over threads. MLX's ops stay the reference path beside it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -192,12 +191,26 @@ def _affine(p: nn.Module) -> bool:
     return p.mode == "affine" and "bias" not in p and "biases" in p
 
 
-def expert_kernel(
-    inner: SwitchGLU, config: RuntimeConfig
-) -> Callable[[mx.array, mx.array], mx.array] | None:
-    """`inner(x, slots)` computed by the CPU kernel, where it covers `inner`
-    (SwiGLU, affine-quantized projections without biases); None elsewhere.
-    Calls on other than float32 run `inner` itself."""
+class ExpertKernel:
+    """`inner(x, slots)` of a SwitchGLU, on the CPU kernel; calls on other than
+    float32 run `inner` itself."""
+
+    def __init__(self, inner: SwitchGLU, threads: int) -> None:
+        self.inner = inner
+        self.projections = [inner[n] for n in ("gate_proj", "up_proj", "down_proj")]
+        self.specs = [(p.bits, p.group_size) for p in self.projections]
+        self.threads = threads
+
+    def __call__(self, x: mx.array, slots: mx.array) -> mx.array:
+        weights = [a for p in self.projections for a in (p.weight, p.scales, p.biases)]
+        if any(a.dtype != mx.float32 for a in [x, *weights[1::3], *weights[2::3]]):
+            return self.inner(x, slots)
+        return _native.expert_mlp(x, slots, weights, self.specs, self.threads)
+
+
+def expert_kernel(inner: SwitchGLU, config: RuntimeConfig) -> ExpertKernel | None:
+    """The CPU kernel for `inner` where config.cpu_kernel asks for it and it
+    covers `inner` (SwiGLU, affine-quantized projections without biases)."""
     projections = [inner.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
     if not (
         _kernel_runs(config)
@@ -207,16 +220,7 @@ def expert_kernel(
         )
     ):
         return None
-    specs = [(p.bits, p.group_size) for p in projections]
-    threads = config.kernel_threads
-
-    def run(x: mx.array, slots: mx.array) -> mx.array:
-        weights = [a for p in projections for a in (p.weight, p.scales, p.biases)]
-        if any(a.dtype != mx.float32 for a in [x, *weights[1::3], *weights[2::3]]):
-            return inner(x, slots)
-        return _native.expert_mlp(x, slots, weights, specs, threads)
-
-    return run
+    return ExpertKernel(inner, config.kernel_threads)
 
 
 class KernelLinear(nn.QuantizedLinear):
