@@ -116,6 +116,23 @@ inline V8 step(V8 acc, const U8* w, V8 scale, V8 bias, float x) {
 }
 
 
+// Ask for every line of rows [r0, r0 + 16) (the next call's): the rows are
+// short, and sixteen of them at once defeat the hardware prefetcher.
+inline void prefetch_block(const Matrix& m, int64_t r0) {
+  int64_t r1 = std::min(r0 + kRows, m.rows);
+  if (r0 >= r1) {
+    return;
+  }
+  const uint8_t* w = m.w + r0 * m.row_bytes;
+  for (int64_t at = 0; at < (r1 - r0) * m.row_bytes; at += 64) {
+    __builtin_prefetch(w + at);
+  }
+  for (int64_t at = 0; at < (r1 - r0) * m.groups; at += 16) {
+    __builtin_prefetch(m.scales + r0 * m.groups + at);
+    __builtin_prefetch(m.biases + r0 * m.groups + at);
+  }
+}
+
 // Rows [r0, r0 + 16) of m @ x, each lane's sum in MLX's _qmm_t order:
 // sum += x[k] * (scale * q + bias), k ascending. Two vectors of eight rows,
 // so two sums are in flight. Lane j unpacks its row's words: a chunk of 32
@@ -134,8 +151,7 @@ void rows16(const Matrix& m, int64_t r0, const float* x, float* out) {
     bi[j] = m.biases + r * m.groups;
   }
   const int chunks = m.group_size / 32;
-  // The next rows' lines, a group ahead: short rows defeat the prefetcher.
-  const int64_t ahead = (std::min(r0 + n, m.rows - 1) - r0) * m.row_bytes / 4;
+  prefetch_block(m, r0 + n);
   V8 acc0 = {0, 0, 0, 0, 0, 0, 0, 0}, acc1 = acc0;
   for (int64_t g = 0; g < m.groups; g++) {
     V8 s0, s1, b0, b1;
@@ -144,9 +160,6 @@ void rows16(const Matrix& m, int64_t r0, const float* x, float* out) {
       b0[j] = bi[j][g];
       s1[j] = sc[j + kLanes][g];
       b1[j] = bi[j + kLanes][g];
-    }
-    for (int j = 0; j < n; j++) {
-      __builtin_prefetch(row[j] + ahead + g * chunks * bits);
     }
     for (int c = 0; c < chunks; c++) {
       int64_t word = (g * chunks + c) * bits;

@@ -105,11 +105,20 @@ def test_bad_input_raises_one_clear_line():
         )
 
 
+def test_kernel_matches_this_mlx_and_leaves_its_random_state():
+    mx.random.seed(7)
+    expected = mx.random.normal((4,))
+    mx.random.seed(7)
+    native.kernel_matches_mlx.cache_clear()
+    assert native.kernel_matches_mlx()
+    assert mx.array_equal(mx.random.normal((4,)), expected).item()
+
+
 def test_kernel_covers_only_swiglu_affine_layers():
     glu = _switch(64, 64, 2, [(4, 32)] * 3)
     on = RuntimeConfig(cpu_kernel=True)
     assert native.expert_kernel(glu, on) is not None
-    assert native.expert_kernel(glu, RuntimeConfig()) is None
+    assert native.expert_kernel(glu, RuntimeConfig(cpu_kernel=False)) is None
     glu.activation = nn.GELU()  # not mlx-lm's SwiGLU: MLX's ops run it
     assert native.expert_kernel(glu, on) is None
 

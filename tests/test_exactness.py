@@ -1,6 +1,7 @@
 """The streaming model equals mlx-lm's fully resident model bit for bit, with
 either engine: native (the default where it is built) and python (the
-reference path), and native with the exact CPU kernel (RuntimeConfig.cpu_kernel)."""
+reference path); native with its exact CPU kernel (RuntimeConfig.cpu_kernel, on
+by default) and without (MLX's ops)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ CACHE_SIZES = [2, 5, 8]
 ENGINES = {"python": {"engine": "python"}}
 if native.available():
     ENGINES["native"] = {"engine": "native"}
-    ENGINES["native+kernel"] = {"engine": "native", "cpu_kernel": True}
+    ENGINES["native-mlx-ops"] = {"engine": "native", "cpu_kernel": False}
 
 
 @pytest.fixture(params=list(ENGINES))

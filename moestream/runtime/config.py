@@ -76,11 +76,15 @@ class RuntimeConfig:
         min(experts, concurrency x top-k) slots, as a batch's decode step routes
         to up to that many experts.
     cpu_kernel: on a CPU, compute the routed experts of a call (SwitchGLU with
-        SwiGLU, affine-quantized float32) with the extension's exact kernel,
-        bit for bit MLX's gather_qmm and swiglu, over `kernel_threads` threads;
-        and the dense quantized matmuls (attention, router, lm_head) likewise.
-        False: MLX's own ops (the reference path). Layers the kernel does not
-        cover (other activations, biases, other dtypes) run MLX's ops.
+        SwiGLU, affine-quantized, float32) and the dense quantized matmuls
+        (attention, router, lm_head) with the extension's kernel: MLX's own
+        arithmetic bit for bit, output rows in vector lanes, over
+        `kernel_threads` threads (docs/profile-cpu.md: 3-5x MLX's ops here).
+        None (default): on with the native engine, where a check at first use
+        finds it equal to this MLX's ops; True: on (with either engine), or
+        an error where it is not exact; False: MLX's ops (the reference path).
+        Layers it does not cover (other activations, biases, other dtypes)
+        run MLX's ops.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
     """
 
@@ -101,7 +105,7 @@ class RuntimeConfig:
     readers: int = 8
     concurrency: int = 1
     device_resolve: bool = True
-    cpu_kernel: bool = False
+    cpu_kernel: bool | None = None
     kernel_threads: int = 0
 
     def __post_init__(self) -> None:

@@ -21,16 +21,21 @@ split over threads. MLX's ops stay the reference path beside it.
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
 from ..formats import ExpertLayer
 from .config import RuntimeConfig
 from .store import ExpertReadError
+
+log = logging.getLogger(__name__)
 
 try:  # mlx.core first: the extension links against the libmlx it loaded
     from .. import _native
@@ -184,7 +189,51 @@ def fetch(
 
 
 def _kernel_runs(config: RuntimeConfig) -> bool:
-    return config.cpu_kernel and mx.default_device() == mx.cpu and available()
+    """config.cpu_kernel resolved: None runs the kernel with the native engine
+    where it is exact (the python engine is the reference path: MLX's ops)."""
+    if config.cpu_kernel is False or mx.default_device() != mx.cpu:
+        return False
+    if config.cpu_kernel is None:
+        return config.engine_used == "native" and kernel_matches_mlx()
+    require()
+    if not kernel_matches_mlx():
+        raise NativeEngineError(
+            f"moestream's CPU kernel does not reproduce MLX {mx.__version__}'s "
+            "quantized matmuls bit for bit here; use cpu_kernel=False."
+        )
+    return True
+
+
+@functools.cache
+def kernel_matches_mlx() -> bool:
+    """Whether the kernel computes what this MLX computes, bit for bit, on a
+    small case of every bit width (checked once; MLX's random state is left
+    alone, so seeded sampling still draws what mlx-lm's does)."""
+    x = mx.random.normal((2, 1, 1, 64), key=mx.random.key(1))
+    inds = mx.array([[1], [0]], mx.uint32)
+    for bits in (2, 3, 4, 5, 6, 8):
+        weights = []
+        for p in range(3):
+            w = mx.random.normal((2, 64, 64), key=mx.random.key(10 * bits + p))
+            weights += mx.quantize(w, 32, bits)
+        ours = _native.expert_mlp(x, inds, weights, [(bits, 32)] * 3, 1)
+        theirs = _reference_mlp(x, inds, weights, bits)
+        if not mx.array_equal(ours, theirs).item():
+            log.warning("the CPU kernel differs from MLX's ops here: not used")
+            return False
+    return True
+
+
+def _reference_mlp(x: mx.array, inds: mx.array, w: list, bits: int) -> mx.array:
+    """mlx-lm's SwitchGLU with SwiGLU, on weights (gate, up, down) x 3."""
+
+    def qmm(x: mx.array, p: int) -> mx.array:
+        q, s, b = w[3 * p : 3 * p + 3]
+        return mx.gather_qmm(
+            x, q, s, b, rhs_indices=inds, transpose=True, group_size=32, bits=bits
+        )
+
+    return qmm(swiglu(qmm(x, 0), qmm(x, 1)), 2).squeeze(-2)
 
 
 def _affine(p: nn.Module) -> bool:
