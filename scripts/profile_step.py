@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="resident,native,native+kernel",
-        help="comma list of resident, python, native, native+kernel",
+        help="comma list of resident, python, native, native+kernel[:threads]",
     )
     args = ap.parse_args()
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout
@@ -221,8 +221,11 @@ def main() -> None:
         if variant == "resident":
             model = resident_from_converted(args.model)
         else:
-            engine, _, kernel = variant.partition("+")
-            cfg = RuntimeConfig(engine=engine, cpu_kernel=bool(kernel))
+            engine, _, kernel = variant.partition("+")  # "kernel:N": N threads
+            threads = int(kernel.partition(":")[2] or 0)
+            cfg = RuntimeConfig(
+                engine=engine, cpu_kernel=bool(kernel), kernel_threads=threads
+            )
             model, _ = load(args.model, cfg)
         instrument(model, prof)
         results[variant] = decode(model, args.steps, prof)
