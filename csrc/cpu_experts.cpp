@@ -53,6 +53,9 @@ class Pool {
     wake_.notify_all();
     take();
     std::unique_lock<std::mutex> lock(m_);
+    // Helpers not yet awake (a busy machine) are not waited for.
+    busy_ -= wanted_;
+    wanted_ = 0;
     done_.wait(lock, [this] { return busy_ == 0; });
     fn_ = nullptr;
   }
