@@ -269,6 +269,13 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
   int64_t pairs = inds.size(), k = inds.shape(-1), d_in = x.shape(-1);
   int64_t hidden = in[2].shape(-2), d_out = in[8].shape(-2);
   const uint32_t* slot = inds.data<uint32_t>();
+  // Ids from a fetch that failed upstream may be anything: never read past
+  // the slots.
+  for (int64_t p = 0; p < pairs; p++) {
+    if (slot[p] >= uint32_t(in[2].shape(0))) {
+      throw std::out_of_range("moestream kernel: a slot id past the slots");
+    }
+  }
   auto mat = [&](int p, int64_t pair) {
     return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
                   slot[pair]);

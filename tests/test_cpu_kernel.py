@@ -94,6 +94,8 @@ def test_bad_input_raises_one_clear_line():
     inds = mx.zeros((1, 1, 1), mx.uint32)
     with pytest.raises(ValueError, match="float32"):
         _kernel(glu, mx.zeros((1, 1, 64), mx.float16), inds)
+    with pytest.raises(RuntimeError, match="slot id past the slots"):
+        mx.eval(_kernel(glu, mx.zeros((1, 1, 64)), inds + 2))  # 2 experts
     with pytest.raises(ValueError, match="bits must be"):
         native._native.quant_matmul(
             mx.zeros((1, 64)),

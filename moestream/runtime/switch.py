@@ -4,7 +4,9 @@ It wraps the family's own (quantized) SwitchGLU, whose weight arrays are
 replaced by persistent slot arrays `[capacity, ...]`. A call maps the routed
 experts to slots, reading the missing ones straight into slot memory, and
 runs mlx-lm's SwitchGLU on the slot indices: same kernels, same activation
-and biases, so the result is bit-identical to the fully resident model.
+and biases, so the result is bit-identical to the fully resident model (on a
+CPU, the extension's kernel computes the same bits, RuntimeConfig.cpu_kernel).
+The engine behind it (engines.py) maps experts to slots and reads misses.
 
 Slots are written in place. Every output a streaming layer returns is kept in
 a list shared by the model's layers and evaluated right after the next host
