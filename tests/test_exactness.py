@@ -20,7 +20,16 @@ if native.available():
     ENGINES["native-mlx-ops"] = {"engine": "native", "cpu_kernel": False}
 
 
-@pytest.fixture(params=list(ENGINES))
+# native with MLX's ops: the kernel's reference path, in `make test-all` only
+# (the python engine runs MLX's ops in `make test`, and test_cpu_kernel.py
+# holds the kernel to them).
+PARAMS = [
+    pytest.param(n, marks=pytest.mark.slow) if n == "native-mlx-ops" else n
+    for n in ENGINES
+]
+
+
+@pytest.fixture(params=PARAMS)
 def engine(request) -> dict:
     """The load options of an engine."""
     return ENGINES[request.param]
