@@ -79,7 +79,7 @@ class RuntimeConfig:
         SwiGLU, affine-quantized, float32) and the dense quantized matmuls
         (attention, router, lm_head) with the extension's kernel: MLX's own
         arithmetic bit for bit, output rows in vector lanes, over
-        `kernel_threads` threads (docs/profile-cpu.md: 3-5x MLX's ops here).
+        `kernel_threads` threads (docs/profile-cpu.md: decode 2.6x mlx-lm's here).
         None (default): on with the native engine, where a check at first use
         finds it equal to this MLX's ops; True: on (with either engine), or
         an error where it is not exact; False: MLX's ops (the reference path).
