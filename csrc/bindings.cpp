@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "cpu_experts.h"
 #include "expert_cache.h"
 #include "mlx/version.h"
 
@@ -200,4 +201,33 @@ NB_MODULE(_native, m) {
       "cache"_a, "Per expert, the calls that routed to it since the last take.");
   m.def("tier_filled", &HostTier::filled, "tier"_a,
         "Records the host tier holds or is reading.");
+
+  // The exact CPU kernel (cpu_experts.h): expert MLPs and quantized matmuls.
+  m.def(
+      "expert_mlp",
+      [](const mlx::core::array& x, const mlx::core::array& inds,
+         const std::vector<mlx::core::array>& weights,
+         const std::vector<std::tuple<int, int>>& specs, int threads) {
+        std::vector<moestream::QuantSpec> s;
+        for (auto& [bits, group_size] : specs) {
+          s.push_back({bits, group_size});
+        }
+        return moestream::expert_mlp(x, inds, weights, s, threads);
+      },
+      "x"_a, "inds"_a, "weights"_a, "specs"_a, "threads"_a = 0,
+      "SwitchGLU with SwiGLU over slot arrays, bit for bit MLX's CPU ops; "
+      "`weights` gate, up, down (weight, scales, biases), `specs` their "
+      "(bits, group_size); `threads` 0 uses every core.");
+  m.def(
+      "quant_matmul",
+      [](const mlx::core::array& x, const mlx::core::array& w,
+         const mlx::core::array& scales, const mlx::core::array& biases,
+         int bits, int group_size, int threads) {
+        return moestream::quant_matmul(
+            x, w, scales, biases, {bits, group_size}, threads);
+      },
+      "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a,
+      "threads"_a = 0,
+      "mx.quantized_matmul(x, w, scales, biases, transpose=True) on the CPU, "
+      "bit for bit, over `threads` threads (0: every core).");
 }

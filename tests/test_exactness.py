@@ -1,6 +1,7 @@
 """The streaming model equals mlx-lm's fully resident model bit for bit, with
 either engine: native (the default where it is built) and python (the
-reference path)."""
+reference path); native with its exact CPU kernel (RuntimeConfig.cpu_kernel, on
+by default) and without (MLX's ops)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,25 @@ from moestream.runtime import native
 
 # top_k, in between, all experts of the tiny model (8, top-2)
 CACHE_SIZES = [2, 5, 8]
-ENGINES = ["python"] + (["native"] if native.available() else [])
+ENGINES = {"python": {"engine": "python"}}
+if native.available():
+    ENGINES["native"] = {"engine": "native"}
+    ENGINES["native-mlx-ops"] = {"engine": "native", "cpu_kernel": False}
 
 
-@pytest.fixture(params=ENGINES)
-def engine(request) -> str:
-    return request.param
+# native with MLX's ops: the kernel's reference path, in `make test-all` only
+# (the python engine runs MLX's ops in `make test`, and test_cpu_kernel.py
+# holds the kernel to them).
+PARAMS = [
+    pytest.param(n, marks=pytest.mark.slow) if n == "native-mlx-ops" else n
+    for n in ENGINES
+]
+
+
+@pytest.fixture(params=PARAMS)
+def engine(request) -> dict:
+    """The load options of an engine."""
+    return ENGINES[request.param]
 
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
@@ -39,7 +53,7 @@ def test_prefill_and_decode_logits_bit_identical(
         cache_experts=cache_experts,
         policy=policy,
         whole_calls=whole,
-        engine=engine,
+        **engine,
     )
     ours = logits_stepwise(model, PROMPT, steps=12)
     theirs = logits_stepwise(reference, PROMPT, steps=12)
@@ -59,9 +73,7 @@ def test_prefill_and_decode_logits_bit_identical(
 
 def test_whole_call_groups_are_exact(converted, reference, engine):
     """The GPU's grouped prefill (whole calls + a spare slot), run on the CPU."""
-    model, _ = moestream.load(
-        converted, cache_experts=3, whole_calls=True, engine=engine
-    )
+    model, _ = moestream.load(converted, cache_experts=3, whole_calls=True, **engine)
     ours, theirs = (
         logits_stepwise(model, PROMPT, 4),
         logits_stepwise(reference, PROMPT, 4),
@@ -92,7 +104,7 @@ def test_plan_memory_splits_the_budget(converted, monkeypatch):
 
 
 def test_memory_budget_load_is_exact(converted, reference, engine):
-    model, _ = moestream.load(converted, memory_budget="4G", engine=engine)
+    model, _ = moestream.load(converted, memory_budget="4G", **engine)
     plan = moestream.runtime_of(model).plan
     assert plan.capacity == 8 and plan.total <= plan.budget
     assert mx.array_equal(model(PROMPT), reference(PROMPT)).item()
@@ -104,7 +116,7 @@ def test_generated_tokens_identical(converted, hf_dir, recipe, temp, engine):
     # seeded before each model is built, as mlx-lm's commands seed: the draws
     # of building it count (the resident model is built again for that)
     ours = generated(
-        lambda: moestream.load(converted, cache_experts=3, engine=engine)[0],
+        lambda: moestream.load(converted, cache_experts=3, **engine)[0],
         prompt,
         temp,
         seed=11,
@@ -120,7 +132,7 @@ def test_float32_conversion_is_exact(hf_dir, tmp_path, engine):
     from moestream.reference import resident_model
 
     convert(str(hf_dir), tmp_path / "f32", dtype="float32", progress=False)
-    model, _ = moestream.load(tmp_path / "f32", cache_experts=2, engine=engine)
+    model, _ = moestream.load(tmp_path / "f32", cache_experts=2, **engine)
     ref = resident_model(hf_dir, Recipe(), dtype="float32")
     assert mx.array_equal(model(PROMPT), ref(PROMPT)).item()
 
@@ -130,7 +142,7 @@ def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype, engine):
     """The stored bfloat16 (the GPU default), and float16 (rounded from it)."""
     from moestream.reference import resident_model
 
-    model, _ = moestream.load(converted, cache_experts=3, dtype=dtype, engine=engine)
+    model, _ = moestream.load(converted, cache_experts=3, dtype=dtype, **engine)
     ref = resident_model(hf_dir, recipe, compute_dtype=dtype)
     ours, theirs = logits_stepwise(model, PROMPT, 4), logits_stepwise(ref, PROMPT, 4)
     for a, b in zip(ours, theirs, strict=True):
@@ -162,7 +174,7 @@ def test_variants_exact(tmp_path, overrides, engine):
     )
     convert(str(src), tmp_path / "out", bits="down_proj=8", progress=False)
     ref = resident_model(src, Recipe.parse("down_proj=8"))
-    model, _ = moestream.load(tmp_path / "out", cache_experts=3, engine=engine)
+    model, _ = moestream.load(tmp_path / "out", cache_experts=3, **engine)
     for a, b in zip(
         logits_stepwise(model, PROMPT, 3), logits_stepwise(ref, PROMPT, 3), strict=True
     ):
@@ -172,7 +184,7 @@ def test_variants_exact(tmp_path, overrides, engine):
 def test_mlx_lm_generate_accepts_the_model(converted, reference, engine):
     from mlx_lm import generate
 
-    model, tokenizer = moestream.load(converted, cache_experts=2, engine=engine)
+    model, tokenizer = moestream.load(converted, cache_experts=2, **engine)
     ours = generate(model, tokenizer, "def add(a, b):", max_tokens=10)
     assert ours == generate(reference, tokenizer, "def add(a, b):", max_tokens=10)
 
@@ -194,7 +206,7 @@ def test_trained_demo_model_exact(tmp_path, engine):
 
     src = Path(__file__).parent.parent / "examples" / "stdlib-moe"
     convert(str(src), tmp_path / "demo", progress=False)
-    model, tokenizer = moestream.load(tmp_path / "demo", cache_experts=4, engine=engine)
+    model, tokenizer = moestream.load(tmp_path / "demo", cache_experts=4, **engine)
     ref = resident_model(src, Recipe())
     prompt = mx.array(tokenizer.encode("import os\n\ndef walk(top):\n"))
     ours = logits_stepwise(model, prompt[None], 24)
@@ -202,4 +214,4 @@ def test_trained_demo_model_exact(tmp_path, engine):
     assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
     s = moestream.stats(model)
     assert 0 < s.hit_rate < 1
-    assert (s.prefetched_used > 0) == (engine == "native")  # trained routing
+    assert (s.prefetched_used > 0) == (engine["engine"] == "native")  # trained routing

@@ -188,7 +188,7 @@ def test_prefetch_router_matches_the_blocks_choice(case: Case):
     )
     path = min(recorders, key=layer_index)
     x, _ = recorders[path]._calls[0]
-    assert module_at(model, path)._predict(x).shape[-1] == top_k
+    assert module_at(model, path)._engine.predict(x).shape[-1] == top_k
 
 
 def test_distinctive_parts(case: Case):

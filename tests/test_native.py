@@ -120,7 +120,7 @@ def test_full_host_tier_predicts_when_asked(converted):
         host_budget=every * record,
         prefetch=True,
     )
-    assert all(m._predict is not None for m in streaming_layers(model)[:-1])
+    assert all(m._engine.predict is not None for m in streaming_layers(model)[:-1])
 
 
 @pytest.mark.parametrize("records", [3, 6, None])
@@ -148,7 +148,7 @@ def test_native_host_tier_bit_identical(converted, reference, records):
     s = moestream.stats(model)
     assert s.native_calls > 0
     assert (s.prefetched > 0) == (records is not None)  # full: nothing to read
-    predicting = [m._predict is not None for m in streaming_layers(model)]
+    predicting = [m._engine.predict is not None for m in streaming_layers(model)]
     sizes = [x.record_nbytes for x in layers]
     assert min(sizes) * s.misses <= s.fill_bytes <= max(sizes) * s.misses
     if records is None:  # read whole at load: every slot fill comes from it

@@ -400,6 +400,8 @@ ENGINE_FLAGS = {
     "--no-prefetch": (None, "prefetch", False),
     "--readers": ("3", "readers", 3),
     "--no-device-resolve": (None, "device_resolve", False),
+    "--no-cpu-kernel": (None, "cpu_kernel", False),
+    "--kernel-threads": ("1", "kernel_threads", 1),
 }
 
 

@@ -46,6 +46,8 @@ RUNTIME_CHOICES: dict[str, list] = {
     "readers": [1, 3],
     "concurrency": [1, 2],
     "device_resolve": [False, True],  # a GPU's: no effect on a CPU
+    "cpu_kernel": [None, False],  # True: the python engine too
+    "kernel_threads": [0, 1],
 }
 FAST_CASES, SLOW_CASES = 30, 1000
 FAST_SETS, SLOW_SETS = 8, 60  # option sets per run

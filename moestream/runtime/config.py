@@ -18,6 +18,7 @@ BOUNDS = (
     ("prefetch_extra", 0, float("inf")),
     ("lrfu_decay", 0.0, 1.0),
     ("readers", 1, 256),
+    ("kernel_threads", 0, 256),
 )
 
 
@@ -79,6 +80,17 @@ class RuntimeConfig:
         activations are sized for that many, and each layer needs at least
         min(experts, concurrency x top-k) slots, as a batch's decode step routes
         to up to that many experts.
+    cpu_kernel: on a CPU, compute the routed experts of a call (SwitchGLU with
+        SwiGLU, affine-quantized, float32) and the dense quantized matmuls
+        (attention, router, lm_head) with the extension's kernel: MLX's own
+        arithmetic bit for bit, output rows in vector lanes, over
+        `kernel_threads` threads (docs/profile-cpu.md: decode 2.6x mlx-lm's here).
+        None (default): on with the native engine, where a check at first use
+        finds it equal to this MLX's ops; True: on (with either engine), or
+        an error where it is not exact; False: MLX's ops (the reference path).
+        Layers it does not cover (other activations, biases, other dtypes)
+        run MLX's ops.
+    kernel_threads: threads of the CPU kernel; 0 uses every core.
     """
 
     memory_budget: int | str | None = None
@@ -98,6 +110,8 @@ class RuntimeConfig:
     readers: int = 8
     concurrency: int = 1
     device_resolve: bool = True
+    cpu_kernel: bool | None = None
+    kernel_threads: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.concurrency, int) and self.concurrency >= 1):

@@ -250,6 +250,7 @@ def _start(
     on_device = tier is not None and plan.host_pinned and cfg.device_resolve
     if cfg.prefetches and not ((full_tier or on_device) and cfg.prefetch is None):
         chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
+    native.use_dense_kernel(model, cfg)  # cpu_kernel: attention, router, lm_head
     mx.eval(model.parameters())
     all_fit = plan.capacity >= plan.num_experts
     bar = tqdm(

@@ -11,18 +11,31 @@ to Python between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
 holds records in host memory between the blob and the slots: its reader
 threads read a call's misses in parallel and the next layer's predicted
 experts ahead; on a GPU it is pinned memory that a copy kernel reads from.
-The Python engine (switch.py) is the reference path.
+The Python engine (engines.py) is the reference path.
+
+On a CPU, RuntimeConfig.cpu_kernel computes a call's routed experts, and the
+dense quantized matmuls, with the extension's exact kernel (csrc/cpu_experts.h):
+MLX's own float arithmetic, bit for bit, with output rows in vector lanes and
+split over threads. MLX's ops stay the reference path beside it.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
 from ..formats import ExpertLayer
+from .config import RuntimeConfig
 from .store import ExpertReadError
+
+log = logging.getLogger(__name__)
 
 try:  # mlx.core first: the extension links against the libmlx it loaded
     from .. import _native
@@ -184,3 +197,117 @@ def take_uses(cache: object) -> list[int]:
 def tier_filled(tier: object) -> int:
     """Records the host tier holds or is reading."""
     return _native.tier_filled(tier)
+
+
+def _kernel_runs(config: RuntimeConfig) -> bool:
+    """config.cpu_kernel resolved: None runs the kernel with the native engine
+    where it is exact (the python engine is the reference path: MLX's ops)."""
+    if config.cpu_kernel is False or mx.default_device() != mx.cpu:
+        return False
+    if config.cpu_kernel is None:
+        return config.engine_used == "native" and kernel_matches_mlx()
+    require()
+    if not kernel_matches_mlx():
+        raise NativeEngineError(
+            f"moestream's CPU kernel does not reproduce MLX {mx.__version__}'s "
+            "quantized matmuls bit for bit here; use cpu_kernel=False."
+        )
+    return True
+
+
+@functools.cache
+def kernel_matches_mlx() -> bool:
+    """Whether the kernel computes what this MLX computes, bit for bit, on a
+    small case of every bit width (checked once; MLX's random state is left
+    alone, so seeded sampling still draws what mlx-lm's does)."""
+    x = mx.random.normal((2, 1, 1, 64), key=mx.random.key(1))
+    inds = mx.array([[1], [0]], mx.uint32)
+    for bits in (2, 3, 4, 5, 6, 8):
+        weights = []
+        for p in range(3):
+            w = mx.random.normal((2, 64, 64), key=mx.random.key(10 * bits + p))
+            weights += mx.quantize(w, 32, bits)
+        ours = _native.expert_mlp(x, inds, weights, [(bits, 32)] * 3, 1)
+        theirs = _reference_mlp(x, inds, weights, bits)
+        if not mx.array_equal(ours, theirs).item():
+            log.warning("the CPU kernel differs from MLX's ops here: not used")
+            return False
+    return True
+
+
+def _reference_mlp(x: mx.array, inds: mx.array, w: list, bits: int) -> mx.array:
+    """mlx-lm's SwitchGLU with SwiGLU, on weights (gate, up, down) x 3."""
+
+    def qmm(x: mx.array, p: int) -> mx.array:
+        q, s, b = w[3 * p : 3 * p + 3]
+        return mx.gather_qmm(
+            x, q, s, b, rhs_indices=inds, transpose=True, group_size=32, bits=bits
+        )
+
+    return qmm(swiglu(qmm(x, 0), qmm(x, 1)), 2).squeeze(-2)
+
+
+def _affine(p: nn.Module) -> bool:
+    return p.mode == "affine" and "bias" not in p and "biases" in p
+
+
+class ExpertKernel:
+    """`inner(x, slots)` of a SwitchGLU, on the CPU kernel; calls on other than
+    float32 run `inner` itself."""
+
+    def __init__(self, inner: SwitchGLU, threads: int) -> None:
+        self.inner = inner
+        self.projections = [inner[n] for n in ("gate_proj", "up_proj", "down_proj")]
+        self.specs = [(p.bits, p.group_size) for p in self.projections]
+        self.threads = threads
+
+    def __call__(self, x: mx.array, slots: mx.array) -> mx.array:
+        weights = [a for p in self.projections for a in (p.weight, p.scales, p.biases)]
+        if any(a.dtype != mx.float32 for a in [x, *weights[1::3], *weights[2::3]]):
+            return self.inner(x, slots)
+        return _native.expert_mlp(x, slots, weights, self.specs, self.threads)
+
+
+def expert_kernel(inner: SwitchGLU, config: RuntimeConfig) -> ExpertKernel | None:
+    """The CPU kernel for `inner` where config.cpu_kernel asks for it and it
+    covers `inner` (SwiGLU, affine-quantized projections without biases)."""
+    projections = [inner.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not (
+        _kernel_runs(config)
+        and isinstance(inner.activation, SwiGLU)
+        and all(
+            isinstance(p, QuantizedSwitchLinear) and _affine(p) for p in projections
+        )
+    ):
+        return None
+    return ExpertKernel(inner, config.kernel_threads)
+
+
+class KernelLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose float32 matmul runs on the CPU kernel."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w, scales, biases = self["weight"], self["scales"], self["biases"]
+        if x.dtype != mx.float32 or scales.dtype != mx.float32:
+            return super().__call__(x)
+        threads = self._kernel_threads
+        y = _native.quant_matmul(
+            x, w, scales, biases, self.bits, self.group_size, threads
+        )
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def use_dense_kernel(model: nn.Module, config: RuntimeConfig) -> int:
+    """Turn the model's affine nn.QuantizedLinear layers into KernelLinear
+    (config.cpu_kernel on a CPU); the number turned."""
+    if not _kernel_runs(config):
+        return 0
+    n = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear and module.mode == "affine":
+            module.__class__ = KernelLinear
+            module._kernel_threads = config.kernel_threads
+            n += 1
+    return n

@@ -1,0 +1,437 @@
+#include "cpu_experts.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/unary_ops.h"
+#include "mlx/ops.h"
+
+namespace moestream {
+
+namespace {
+
+// Eight floats: one output row's running sum in each lane. Built with
+// -ffp-contract=off (CMakeLists.txt): a multiply and an add stay two roundings,
+// as in MLX's scalar loop.
+using V8 = float __attribute__((vector_size(32)));
+using U8 = uint32_t __attribute__((vector_size(32)));
+using I8 = int32_t __attribute__((vector_size(32)));
+constexpr int kLanes = 8;
+constexpr int kRows = 2 * kLanes; // of one rows16 call
+
+// Threads that wait for work; the caller takes tasks too.
+class Pool {
+ public:
+  void run(int n, int threads, const std::function<void(int)>& fn) {
+    int helpers = std::min(threads, n) - 1;
+    if (helpers <= 0) {
+      for (int i = 0; i < n; i++) {
+        fn(i);
+      }
+      return;
+    }
+    std::lock_guard<std::mutex> one(run_mutex_);
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      while (int(workers_.size()) < helpers) {
+        workers_.emplace_back([this] { work(); }).detach();
+      }
+      fn_ = &fn;
+      n_ = n;
+      next_.store(0);
+      wanted_ = helpers;
+      busy_ = helpers;
+      generation_++;
+    }
+    wake_.notify_all();
+    take();
+    std::unique_lock<std::mutex> lock(m_);
+    // Helpers not yet awake (a busy machine) are not waited for.
+    busy_ -= wanted_;
+    wanted_ = 0;
+    done_.wait(lock, [this] { return busy_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void take() {
+    for (int i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) {
+      (*fn_)(i);
+    }
+  }
+  void work() {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(m_);
+    while (true) {
+      wake_.wait(lock, [&] { return generation_ != seen && wanted_ > 0; });
+      seen = generation_;
+      wanted_--;
+      lock.unlock();
+      take();
+      lock.lock();
+      if (--busy_ == 0) {
+        done_.notify_one();
+      }
+    }
+  }
+
+  std::mutex run_mutex_, m_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int)>* fn_{nullptr};
+  int n_{0}, wanted_{0}, busy_{0};
+  std::atomic<int> next_{0};
+  uint64_t generation_{0};
+};
+
+Pool& pool() {
+  static Pool* p = new Pool(); // never destroyed: its threads outlive exit
+  return *p;
+}
+
+// One projection of one expert: row r's packed values at w + r * row_bytes.
+struct Matrix {
+  const uint8_t* w;
+  const float* scales;
+  const float* biases;
+  int64_t rows, cols, row_bytes, groups;
+  int group_size;
+};
+
+// Value I of a 32-value chunk in every lane, dequantized, times x, added.
+template <int bits, int I>
+inline V8 step(V8 acc, const U8* w, V8 scale, V8 bias, float x) {
+  constexpr int off = I * bits, word = off / 32, shift = off % 32;
+  constexpr uint32_t mask = (1u << bits) - 1;
+  U8 q = w[word] >> shift;
+  if constexpr (shift + bits > 32) {
+    q |= w[word + 1] << (32 - shift);
+  }
+  V8 d = __builtin_convertvector(I8(q & mask), V8) * scale + bias;
+  return acc + x * d;
+}
+
+
+// Ask for every line of rows [r0, r0 + 16) (the next call's): the rows are
+// short, and sixteen of them at once defeat the hardware prefetcher.
+inline void prefetch_block(const Matrix& m, int64_t r0) {
+  int64_t r1 = std::min(r0 + kRows, m.rows);
+  if (r0 >= r1) {
+    return;
+  }
+  const uint8_t* w = m.w + r0 * m.row_bytes;
+  for (int64_t at = 0; at < (r1 - r0) * m.row_bytes; at += 64) {
+    __builtin_prefetch(w + at);
+  }
+  for (int64_t at = 0; at < (r1 - r0) * m.groups; at += 16) {
+    __builtin_prefetch(m.scales + r0 * m.groups + at);
+    __builtin_prefetch(m.biases + r0 * m.groups + at);
+  }
+}
+
+// Rows [r0, r0 + 16) of m @ x, each lane's sum in MLX's _qmm_t order:
+// sum += x[k] * (scale * q + bias), k ascending. Two vectors of eight rows,
+// so two sums are in flight. Lane j unpacks its row's words: a chunk of 32
+// values is `bits` words of each row, value i at bit i * bits (LSB first, as
+// MLX's byte-wise unpacking reads it). Rows past the end repeat the last row
+// and are not stored.
+template <int bits>
+void rows16(const Matrix& m, int64_t r0, const float* x, float* out) {
+  constexpr int n = kRows;
+  const uint32_t* row[n];
+  const float *sc[n], *bi[n];
+  for (int j = 0; j < n; j++) {
+    int64_t r = std::min(r0 + j, m.rows - 1);
+    row[j] = reinterpret_cast<const uint32_t*>(m.w + r * m.row_bytes);
+    sc[j] = m.scales + r * m.groups;
+    bi[j] = m.biases + r * m.groups;
+  }
+  const int chunks = m.group_size / 32;
+  prefetch_block(m, r0 + n);
+  V8 acc0 = {0, 0, 0, 0, 0, 0, 0, 0}, acc1 = acc0;
+  for (int64_t g = 0; g < m.groups; g++) {
+    V8 s0, s1, b0, b1;
+    for (int j = 0; j < kLanes; j++) {
+      s0[j] = sc[j][g];
+      b0[j] = bi[j][g];
+      s1[j] = sc[j + kLanes][g];
+      b1[j] = bi[j + kLanes][g];
+    }
+    for (int c = 0; c < chunks; c++) {
+      int64_t word = (g * chunks + c) * bits;
+      U8 w0[bits], w1[bits];
+      for (int b = 0; b < bits; b++) {
+        for (int j = 0; j < kLanes; j++) {
+          w0[b][j] = row[j][word + b];
+          w1[b][j] = row[j + kLanes][word + b];
+        }
+      }
+      const float* xc = x + (g * chunks + c) * 32;
+      [&]<int... I>(std::integer_sequence<int, I...>) {
+        ((acc0 = step<bits, I>(acc0, w0, s0, b0, xc[I]),
+          acc1 = step<bits, I>(acc1, w1, s1, b1, xc[I])),
+         ...);
+      }(std::make_integer_sequence<int, 32>{});
+    }
+  }
+  for (int j = 0; j < kLanes; j++) {
+    if (r0 + j < m.rows) {
+      out[r0 + j] = acc0[j];
+    }
+    if (r0 + kLanes + j < m.rows) {
+      out[r0 + kLanes + j] = acc1[j];
+    }
+  }
+}
+
+using RowsFn = void (*)(const Matrix&, int64_t, const float*, float*);
+
+RowsFn rows_fn(int bits) {
+  switch (bits) {
+    case 2: return rows16<2>;
+    case 3: return rows16<3>;
+    case 4: return rows16<4>;
+    case 5: return rows16<5>;
+    case 6: return rows16<6>;
+    case 8: return rows16<8>;
+  }
+  throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
+}
+
+// Rows [begin, end) of m @ x.
+void matvec(const Matrix& m, RowsFn fn, int64_t begin, int64_t end,
+            const float* x, float* out) {
+  for (int64_t r = begin; r < end; r += kRows) {
+    fn(m, r, x, out);
+  }
+}
+
+// Expert `e` of a stacked `[E, rows, cols]` projection (weight, scales, biases).
+Matrix matrix(const mx::array& w, const mx::array& s, const mx::array& b,
+              QuantSpec spec, int64_t e) {
+  Matrix m;
+  m.rows = w.shape(-2);
+  m.row_bytes = int64_t(w.shape(-1)) * 4;
+  m.cols = m.row_bytes * 8 / spec.bits;
+  m.groups = s.shape(-1);
+  m.group_size = spec.group_size;
+  m.w = w.data<uint8_t>() + e * m.rows * m.row_bytes;
+  m.scales = s.data<float>() + e * m.rows * m.groups;
+  m.biases = b.data<float>() + e * m.rows * m.groups;
+  return m;
+}
+
+// mlx-lm's swiglu(gate, up) = silu(gate) * up, silu(g) = g * sigmoid(g),
+// with MLX's own sigmoid (its exp approximation).
+inline float swiglu(float gate, float up) {
+  auto sig = mx::detail::Sigmoid{}(mx::simd::Simd<float, 1>(gate)).value;
+  return (gate * sig) * up;
+}
+
+constexpr int64_t kBlock = 64; // rows of one task
+
+void check_spec(QuantSpec s, int64_t cols) {
+  if (s.group_size != 32 && s.group_size != 64 && s.group_size != 128) {
+    throw std::invalid_argument(
+        "moestream kernel: group size must be 32, 64 or 128");
+  }
+  if (cols % s.group_size) {
+    throw std::invalid_argument(
+        "moestream kernel: input dims must be a multiple of the group size");
+  }
+  rows_fn(s.bits);
+}
+
+} // namespace
+
+void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
+  pool().run(n, threads, fn);
+}
+
+static int threads_or_all(int threads) {
+  if (threads > 0) {
+    return threads;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
+                           const std::vector<QuantSpec>& specs, int threads) {
+  const auto& x = in[0];
+  const auto& inds = in[1];
+  int64_t pairs = inds.size(), k = inds.shape(-1), d_in = x.shape(-1);
+  int64_t hidden = in[2].shape(-2), d_out = in[8].shape(-2);
+  const uint32_t* slot = inds.data<uint32_t>();
+  // Ids from a fetch that failed upstream may be anything: never read past
+  // the slots.
+  for (int64_t p = 0; p < pairs; p++) {
+    if (slot[p] >= uint32_t(in[2].shape(0))) {
+      throw std::out_of_range("moestream kernel: a slot id past the slots");
+    }
+  }
+  auto mat = [&](int p, int64_t pair) {
+    return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
+                  slot[pair]);
+  };
+  RowsFn fg = rows_fn(specs[0].bits), fu = rows_fn(specs[1].bits),
+         fd = rows_fn(specs[2].bits);
+  std::vector<float> h(pairs * hidden), g(pairs * hidden);
+  int64_t hb = (hidden + kBlock - 1) / kBlock;
+  parallel_for(int(pairs * hb), threads, [&](int task) {
+    int64_t pair = task / hb, r0 = task % hb * kBlock;
+    int64_t r1 = std::min(hidden, r0 + kBlock);
+    const float* xt = x.data<float>() + pair / k * d_in;
+    float* hp = h.data() + pair * hidden;
+    float* gp = g.data() + pair * hidden;
+    matvec(mat(0, pair), fg, r0, r1, xt, gp);
+    matvec(mat(1, pair), fu, r0, r1, xt, hp);
+    for (int64_t r = r0; r < r1; r++) {
+      hp[r] = swiglu(gp[r], hp[r]);
+    }
+  });
+  int64_t db = (d_out + kBlock - 1) / kBlock;
+  float* y = out.data<float>();
+  parallel_for(int(pairs * db), threads, [&](int task) {
+    int64_t pair = task / db, r0 = task % db * kBlock;
+    int64_t r1 = std::min(d_out, r0 + kBlock);
+    matvec(mat(2, pair), fd, r0, r1, h.data() + pair * hidden,
+           y + pair * d_out);
+  });
+}
+
+void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,
+                         std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  enc.dispatch([inputs, out, specs = specs_,
+                threads = threads_or_all(threads_)]() mutable {
+    expert_mlp_run(inputs, out, specs, threads);
+  });
+}
+
+void ExpertMlp::eval_gpu(const std::vector<mx::array>&,
+                         std::vector<mx::array>&) {
+  throw std::runtime_error("moestream's CPU expert kernel has no GPU version");
+}
+
+bool ExpertMlp::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const ExpertMlp&>(other);
+  return specs_ == o.specs_ && threads_ == o.threads_;
+}
+
+static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
+                             QuantSpec spec, int threads) {
+  Matrix m = matrix(in[1], in[2], in[3], spec, 0);
+  RowsFn fn = rows_fn(spec.bits);
+  int64_t tokens = in[0].size() / m.cols;
+  int64_t blocks = (m.rows + kBlock - 1) / kBlock;
+  const float* x = in[0].data<float>();
+  float* y = out.data<float>();
+  parallel_for(int(tokens * blocks), threads, [&](int task) {
+    int64_t t = task / blocks, r0 = task % blocks * kBlock;
+    matvec(m, fn, r0, std::min(m.rows, r0 + kBlock), x + t * m.cols,
+           y + t * m.rows);
+  });
+}
+
+void QuantMatmul::eval_cpu(const std::vector<mx::array>& inputs,
+                           std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  enc.dispatch([inputs, out, spec = spec_,
+                threads = threads_or_all(threads_)]() mutable {
+    quant_matmul_run(inputs, out, spec, threads);
+  });
+}
+
+void QuantMatmul::eval_gpu(const std::vector<mx::array>&,
+                           std::vector<mx::array>&) {
+  throw std::runtime_error("moestream's CPU matmul kernel has no GPU version");
+}
+
+bool QuantMatmul::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const QuantMatmul&>(other);
+  return spec_ == o.spec_ && threads_ == o.threads_;
+}
+
+static void check_float32(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32) {
+    throw std::invalid_argument(std::string("moestream kernel: ") + what +
+                                " must be float32 (the kernel runs float32)");
+  }
+}
+
+mx::array expert_mlp(const mx::array& x, const mx::array& inds,
+                     const std::vector<mx::array>& weights,
+                     const std::vector<QuantSpec>& specs, int threads) {
+  if (weights.size() != 9 || specs.size() != 3) {
+    throw std::invalid_argument(
+        "moestream kernel: gate, up, down (weight, scales, biases) expected");
+  }
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
+  int64_t d_in = x.shape(-1);
+  check_float32(x, "x");
+  std::vector<mx::array> inputs = {
+      mx::contiguous(mx::reshape(x, {-1, int(d_in)}, s), false, s),
+      mx::contiguous(mx::astype(inds, mx::uint32, s), false, s)};
+  if (inputs[0].shape(0) * inds.shape(-1) != inds.size()) {
+    throw std::invalid_argument(
+        "moestream kernel: x and inds disagree on the tokens");
+  }
+  for (int p = 0; p < 3; p++) {
+    check_spec(specs[p], weights[3 * p].shape(-1) * 32 / specs[p].bits);
+    check_float32(weights[3 * p + 1], "scales");
+    check_float32(weights[3 * p + 2], "biases");
+  }
+  for (auto& w : weights) {
+    inputs.push_back(mx::contiguous(w, false, s));
+  }
+  auto shape = inds.shape();
+  shape.push_back(weights[6].shape(-2));
+  return mx::array(shape, mx::float32,
+                   std::make_shared<ExpertMlp>(s, specs, threads),
+                   std::move(inputs));
+}
+
+mx::array quant_matmul(const mx::array& x, const mx::array& w,
+                       const mx::array& scales, const mx::array& biases,
+                       QuantSpec spec, int threads) {
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
+  int64_t cols = int64_t(w.shape(-1)) * 32 / spec.bits;
+  check_spec(spec, cols);
+  check_float32(x, "x");
+  check_float32(scales, "scales");
+  check_float32(biases, "biases");
+  if (x.shape(-1) != cols || w.ndim() != 2) {
+    throw std::invalid_argument(
+        "moestream kernel: x's last dim must match the 2-D weight's input dims");
+  }
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  std::vector<mx::array> inputs = {mx::contiguous(x, false, s),
+                                   mx::contiguous(w, false, s),
+                                   mx::contiguous(scales, false, s),
+                                   mx::contiguous(biases, false, s)};
+  return mx::array(shape, mx::float32,
+                   std::make_shared<QuantMatmul>(s, spec, threads),
+                   std::move(inputs));
+}
+
+} // namespace moestream

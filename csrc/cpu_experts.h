@@ -1,0 +1,77 @@
+// An exact CPU kernel for quantized expert MLPs and quantized matmuls:
+// MLX's CPU arithmetic (mlx/backend/cpu/quantized.cpp `_qmm_t`, the path a
+// Linux build takes: simd::max_size<float> is 1 there) bit for bit, with
+// eight output rows in the lanes of a vector and rows split over threads.
+// Every output's sum runs over the reduction in MLX's order.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace moestream {
+
+// One affine-quantized projection: `[E, out, in * bits / 32]` uint32 weights
+// with float32 scales and biases `[E, out, in / group_size]`.
+struct QuantSpec {
+  int bits, group_size;
+  bool operator==(const QuantSpec&) const = default;
+};
+
+// Runs fn(0..n-1) over `threads` threads (the caller's among them).
+void parallel_for(int n, int threads, const std::function<void(int)>& fn);
+
+// SwitchGLU with SwiGLU on slots: out[t, j] = down(silu(gate(x_t)) * up(x_t))
+// with the experts of slot inds[t, j]. Inputs: x `[T, D]`, inds `[T, k]`,
+// then gate, up, down (weight, scales, biases) each. Output `[T, k, D]`.
+class ExpertMlp : public mx::Primitive {
+ public:
+  ExpertMlp(mx::Stream s, std::vector<QuantSpec> specs, int threads)
+      : mx::Primitive(s), specs_(std::move(specs)), threads_(threads) {}
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&,
+                std::vector<mx::array>&) override;
+  const char* name() const override {
+    return "ExpertMlp";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  std::vector<QuantSpec> specs_; // gate, up, down
+  int threads_;
+};
+
+// x `[..., K]` @ dequantized(w `[N, K * bits / 32]`).T: mx.quantized_matmul
+// with transpose=True, exactly.
+class QuantMatmul : public mx::Primitive {
+ public:
+  QuantMatmul(mx::Stream s, QuantSpec spec, int threads)
+      : mx::Primitive(s), spec_(spec), threads_(threads) {}
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&,
+                std::vector<mx::array>&) override;
+  const char* name() const override {
+    return "QuantMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  QuantSpec spec_;
+  int threads_;
+};
+
+mx::array expert_mlp(const mx::array& x, const mx::array& inds,
+                     const std::vector<mx::array>& weights,
+                     const std::vector<QuantSpec>& specs, int threads);
+mx::array quant_matmul(const mx::array& x, const mx::array& w,
+                       const mx::array& scales, const mx::array& biases,
+                       QuantSpec spec, int threads);
+
+} // namespace moestream

@@ -1,0 +1,292 @@
+"""The two engines behind a streaming layer: map routed experts to slots, read
+the misses, count. One class each; StreamingSwitchGLU holds one and never asks
+which.
+
+- PythonEngine (the reference path): one host sync per call reads the routing,
+  the pool picks victims, misses are read into their slots on the host.
+- NativeEngine: the extension's ExpertCache resolves slots inside MLX's stream
+  (native.py); only prefill's grouped calls read the routing on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats import ExpertLayer
+from . import native
+from .config import RuntimeConfig
+from .pool import SlotPool
+from .stats import RuntimeStats
+from .store import ExpertStore, SlotFiller
+
+
+@dataclass
+class Routing:
+    """One call's routing, read on the host."""
+
+    experts: np.ndarray  # (..., k) routed expert ids
+    unique: np.ndarray
+    counters: tuple[int, int, int]  # hits, misses, bytes_read before the call
+    call: int  # its event's step, the native cache's id for its loads
+
+    @property
+    def tokens(self) -> int:
+        return self.experts.size // self.experts.shape[-1]
+
+
+class Outstanding:
+    """Outputs of streaming layers that may not be evaluated yet."""
+
+    def __init__(self) -> None:
+        self.arrays: list[mx.array] = []
+
+    def settle(self) -> None:
+        """Evaluate them all: after this, no computation reads any slot."""
+        if self.arrays:
+            mx.eval(self.arrays)
+            self.arrays.clear()
+
+
+class Engine(Protocol):
+    """What a streaming layer asks of its engine."""
+
+    table: mx.array | None  # expert -> slot once every expert is resident
+    predict: Callable[[mx.array], mx.array] | None  # the next layer's experts
+
+    def slots(self, x: mx.array, indices: mx.array) -> mx.array:
+        """Slot ids of a decode call's `indices`, every routed expert read."""
+
+    def route(self, indices: mx.array) -> Routing:
+        """Read a call's routing on the host (prefill's grouped calls)."""
+
+    def load(self, experts: np.ndarray, tokens: int = 1, call: int = -1) -> np.ndarray:
+        """Make `experts` resident as (part of) call `call`; the slot table."""
+
+    def record(self, r: Routing) -> None:
+        """The call's event, when recording (RuntimeStats.events)."""
+
+    def issue(self, y: mx.array) -> mx.array:
+        """Hand a host-routed call's output to MLX, kept until the next sync."""
+
+    def finish(self, y: mx.array) -> mx.array:
+        """What becomes of a decode call's output."""
+
+    def willneed(self, experts: np.ndarray) -> None:
+        """Hint that a grouped call reads these experts soon."""
+
+    def chain(self, nxt: Engine, predict: Callable[[mx.array], mx.array]) -> None:
+        """Prefetch for the next layer with `predict` (its router on our input)."""
+
+    def preload_tier(self) -> None:
+        """Queue reads of this layer's records into the host tier, if any."""
+
+    def slot_table(self) -> np.ndarray:
+        """Expert -> slot (`capacity` where absent) as the host knows it; any
+        thread may read it."""
+
+
+class _Base:
+    """What both engines share: reading a call's routing on the host."""
+
+    def __init__(
+        self, layer: ExpertLayer, stats: RuntimeStats, outstanding: Outstanding
+    ) -> None:
+        self.layer = layer
+        self.stats = stats
+        self.outstanding = outstanding
+        self.table: mx.array | None = None
+        # Our latest output; a native fetch waits for it, since a call need
+        # not depend on the one before (prefill chunks, other sequences).
+        self.last: mx.array | None = None
+        # The next layer's router applied to our input (native prefetch).
+        self.predict: Callable[[mx.array], mx.array] | None = None
+
+    def _before_route(self, indices: mx.array) -> None:
+        pass
+
+    def route(self, indices: mx.array) -> Routing:
+        self._before_route(indices)
+        experts = np.array(indices)
+        # Earlier outputs are upstream of `indices`, so computed by now: settle
+        # them, and nothing pending reads a slot we write.
+        self.outstanding.settle()
+        s = self.stats
+        counters = (s.hits, s.misses, s.bytes_read)
+        return Routing(
+            experts, np.unique(experts), counters, s.next_step(self.layer.layer)
+        )
+
+    def issue(self, y: mx.array) -> mx.array:
+        self.last = y
+        self.outstanding.arrays.append(y)
+        mx.async_eval(y)  # compute while Python builds the next layer's graph
+        return y
+
+    def willneed(self, experts: np.ndarray) -> None:
+        pass
+
+    def chain(self, nxt: Engine, predict: Callable[[mx.array], mx.array]) -> None:
+        self.predict = predict
+
+    def preload_tier(self) -> None:
+        pass
+
+
+class PythonEngine(_Base):
+    """The reference path: routing read on the host, misses read there."""
+
+    def __init__(
+        self,
+        layer: ExpertLayer,
+        store: ExpertStore,
+        slots: list[mx.array],
+        capacity: int,
+        stats: RuntimeStats,
+        outstanding: Outstanding,
+        config: RuntimeConfig,
+    ) -> None:
+        super().__init__(layer, stats, outstanding)
+        self.store = store
+        self.pool = SlotPool(
+            capacity, layer.num_experts, config.policy, config.lrfu_decay
+        )
+        # host views of the slots (on a GPU they become managed memory)
+        self.filler = SlotFiller(store, layer, slots)
+
+    def slots(self, x: mx.array, indices: mx.array) -> mx.array:
+        r = self.route(indices)
+        lut = self.load(r.unique, r.tokens, r.call)
+        self.record(r)
+        return mx.array(lut[r.experts])
+
+    def finish(self, y: mx.array) -> mx.array:
+        return self.issue(y)
+
+    def willneed(self, experts: np.ndarray) -> None:
+        # the disk reads all of them in parallel
+        self.store.willneed(self.layer.layer, self.pool.absent(experts).tolist())
+
+    def record(self, r: Routing) -> None:
+        s = self.stats
+        hits, misses, nbytes = r.counters
+        s.record(
+            self.layer.layer,
+            r.experts,
+            s.hits - hits,
+            s.misses - misses,
+            [],  # the python engine does not prefetch
+            s.bytes_read - nbytes,
+        )
+
+    def load(self, experts: np.ndarray, tokens: int = 1, call: int = -1) -> np.ndarray:
+        free = len(self.pool.free)
+        _, misses = self.pool.assign(experts, tokens)
+        s = self.stats
+        s.hits += len(experts) - len(misses)
+        s.misses += len(misses)
+        s.evictions += max(0, len(misses) - free)
+        s.used(self.layer.layer, experts, self.layer.num_experts)
+        if misses:  # the kernel reads them all in parallel while we copy each
+            self.store.willneed(self.layer.layer, [e for e, _ in misses])
+            self._read(misses)
+        return self.pool.table
+
+    def slot_table(self) -> np.ndarray:
+        return self.pool.table.copy()
+
+    def _read(self, misses: list[tuple[int, int]]) -> None:
+        """Read each (expert, slot) record into its slot, verified on first read."""
+        s, nbytes = self.stats, self.layer.record_nbytes
+        for n, (expert, slot) in enumerate(misses):
+            try:
+                self.filler.fill(expert, slot)
+            except BaseException:
+                for e, _ in misses[n:]:  # their slots hold partial data now
+                    self.pool.forget(e)
+                raise
+            s.bytes_read += nbytes
+            s.fill_bytes += nbytes
+        layer = self.layer.layer
+        s.per_layer_misses[layer] = s.per_layer_misses.get(layer, 0) + len(misses)
+        if len(self.pool.slot_of) == self.layer.num_experts:
+            self.table = mx.array(self.pool.table)  # never evicts now
+
+
+class NativeEngine(_Base):
+    """The extension's cache: slots resolved and misses read in MLX's stream."""
+
+    def __init__(
+        self,
+        layer: ExpertLayer,
+        store: ExpertStore,
+        slots: list[mx.array],
+        capacity: int,
+        stats: RuntimeStats,
+        outstanding: Outstanding,
+        config: RuntimeConfig,
+        tier: object | None,
+    ) -> None:
+        super().__init__(layer, stats, outstanding)
+        self.capacity = capacity
+        self.cache = native.expert_cache(
+            store.readers[layer.layer].path,
+            layer,
+            slots,
+            capacity,
+            verify=store.verify,
+            policy=config.policy,
+            decay=config.lrfu_decay,
+            max_pairs=capacity,
+            tier=tier,
+            record_calls=config.record_trace,
+            device_resolve=config.device_resolve,
+        )
+        stats.native.append(self.cache)
+        stats.native_layers[layer.layer] = self.cache
+
+    def chain(self, nxt: Engine, predict: Callable[[mx.array], mx.array]) -> None:
+        self.predict = predict
+        self.cache.chain(nxt.cache)  # type: ignore[attr-defined]
+
+    def preload_tier(self) -> None:
+        self.cache.preload_tier()
+
+    def slots(self, x: mx.array, indices: mx.array) -> mx.array:
+        native.check(self.cache)
+        call = self.stats.next_step(self.layer.layer)
+        self.stats.record(self.layer.layer, indices, None, None, [], None)
+        if self.last is not None:  # no slot is overwritten under it
+            indices = mx.depends(indices, self.last)
+        predicted = self.predict(x) if self.predict is not None else None
+        return native.fetch(self.cache, indices, predicted, call)
+
+    def finish(self, y: mx.array) -> mx.array:
+        self.last = y
+        return y
+
+    def _before_route(self, indices: mx.array) -> None:
+        native.check(self.cache)
+        # Our earlier outputs may not be evaluated yet (a later chunk's
+        # routing need not depend on them): evaluate them before the host
+        # writes our slots, and wait for what is in flight.
+        mx.eval([indices] if self.last is None else [indices, self.last])
+        mx.synchronize()
+
+    def record(self, r: Routing) -> None:
+        # the native cache counts in the stream
+        self.stats.record(self.layer.layer, r.experts, None, None, [], None)
+
+    def slot_table(self) -> np.ndarray:
+        return np.array(self.cache.table(), np.uint32)
+
+    def load(self, experts: np.ndarray, tokens: int = 1, call: int = -1) -> np.ndarray:
+        self.cache.load(experts.tolist(), tokens, call)
+        table = np.array(self.cache.table(), np.uint32)
+        if (table < self.capacity).all():
+            self.table = mx.array(table)  # never evicts now
+        return table

@@ -1,0 +1,142 @@
+"""The extension's CPU kernel (csrc/cpu_experts.h) against MLX's own ops, bit
+for bit: SwitchGLU over gather_qmm and mx.quantized_matmul, on every bit width
+and group size, one token and several; and the streaming model with it against
+mlx-lm's resident model."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from helpers import PROMPT, logits_stepwise
+from mlx_lm.models.switch_layers import SwitchGLU
+
+import moestream
+from moestream.runtime import RuntimeConfig, native
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="the native extension is not built here"
+)
+
+BITS = [2, 3, 4, 5, 6, 8]
+GROUPS = [32, 64, 128]
+
+
+def _switch(d: int, hidden: int, experts: int, specs: list[tuple[int, int]]):
+    glu = SwitchGLU(d, hidden, experts)
+    glu.set_dtype(mx.float32)
+    for name, (bits, gs) in zip(
+        ("gate_proj", "up_proj", "down_proj"), specs, strict=True
+    ):
+        glu[name] = glu[name].to_quantized(group_size=gs, bits=bits)
+    mx.eval(glu.parameters())
+    return glu
+
+
+def _kernel(glu: SwitchGLU, x: mx.array, inds: mx.array, threads: int = 0):
+    projections = [glu.gate_proj, glu.up_proj, glu.down_proj]
+    weights = [a for p in projections for a in (p.weight, p.scales, p.biases)]
+    specs = [(p.bits, p.group_size) for p in projections]
+    return native._native.expert_mlp(x, inds, weights, specs, threads)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_expert_mlp_equals_switch_glu(bits, group_size, tokens):
+    mx.random.seed(bits * 1000 + group_size + tokens)
+    glu = _switch(256, 384, 6, [(bits, group_size)] * 3)
+    x = mx.random.normal((1, tokens, 256))
+    inds = mx.random.randint(0, 6, (1, tokens, 4)).astype(mx.uint32)
+    ours, theirs = _kernel(glu, x, inds), glu(x, inds)
+    assert ours.shape == theirs.shape == (1, tokens, 4, 256)
+    assert mx.array_equal(ours, theirs).item()
+
+
+def test_mixed_bits_partial_tasks_and_threads_agree():
+    """Per-projection bits (as recipes write them), rows that are not a
+    multiple of a task's 64, and 1 thread or 2: still MLX's bits."""
+    mx.random.seed(3)
+    glu = _switch(128, 224, 5, [(4, 64), (3, 32), (6, 32)])
+    x = mx.random.normal((2, 3, 128))
+    inds = mx.random.randint(0, 5, (2, 3, 2))
+    theirs = glu(x, inds)
+    for threads in (1, 2):
+        assert mx.array_equal(_kernel(glu, x, inds, threads), theirs).item()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_quant_matmul_equals_quantized_linear(bits, group_size):
+    mx.random.seed(bits + group_size)
+    layer = nn.QuantizedLinear(256, 200, bias=False, group_size=group_size, bits=bits)
+    for shape in [(1, 1, 256), (2, 7, 256)]:
+        x = mx.random.normal(shape)
+        ours = native._native.quant_matmul(
+            x, layer.weight, layer.scales, layer.biases, bits, group_size
+        )
+        assert mx.array_equal(ours, layer(x)).item()
+
+
+def test_kernel_linear_swaps_in_exactly():
+    layer = nn.QuantizedLinear(128, 64, bias=True, group_size=32, bits=4)
+    x = mx.random.normal((3, 128))
+    theirs, theirs16 = layer(x), layer(x.astype(mx.float16))
+    assert native.use_dense_kernel(layer, RuntimeConfig(cpu_kernel=True)) == 1
+    assert type(layer) is native.KernelLinear
+    assert mx.array_equal(layer(x), theirs).item()
+    # not float32: MLX's own op
+    assert mx.array_equal(layer(x.astype(mx.float16)), theirs16).item()
+
+
+def test_bad_input_raises_one_clear_line():
+    glu = _switch(64, 64, 2, [(4, 32)] * 3)
+    inds = mx.zeros((1, 1, 1), mx.uint32)
+    with pytest.raises(ValueError, match="float32"):
+        _kernel(glu, mx.zeros((1, 1, 64), mx.float16), inds)
+    with pytest.raises(RuntimeError, match="slot id past the slots"):
+        mx.eval(_kernel(glu, mx.zeros((1, 1, 64)), inds + 2))  # 2 experts
+    with pytest.raises(ValueError, match="bits must be"):
+        native._native.quant_matmul(
+            mx.zeros((1, 64)),
+            mx.zeros((8, 7), mx.uint32),
+            mx.zeros((8, 2)),
+            mx.zeros((8, 2)),
+            7,
+            32,
+        )
+
+
+def test_kernel_matches_this_mlx_and_leaves_its_random_state():
+    mx.random.seed(7)
+    expected = mx.random.normal((4,))
+    mx.random.seed(7)
+    native.kernel_matches_mlx.cache_clear()
+    assert native.kernel_matches_mlx()
+    assert mx.array_equal(mx.random.normal((4,)), expected).item()
+
+
+def test_kernel_covers_only_swiglu_affine_layers():
+    glu = _switch(64, 64, 2, [(4, 32)] * 3)
+    on = RuntimeConfig(cpu_kernel=True)
+    assert native.expert_kernel(glu, on) is not None
+    assert native.expert_kernel(glu, RuntimeConfig(cpu_kernel=False)) is None
+    glu.activation = nn.GELU()  # not mlx-lm's SwiGLU: MLX's ops run it
+    assert native.expert_kernel(glu, on) is None
+
+
+@pytest.mark.parametrize("cache_experts", [2, 5, 8])
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_streaming_model_with_kernel_bit_identical(
+    converted, reference, cache_experts, engine
+):
+    model, _ = moestream.load(
+        converted, cache_experts=cache_experts, engine=engine, cpu_kernel=True
+    )
+    layers = [m for _, m in model.named_modules() if hasattr(m, "_experts")]
+    assert layers and all(m._experts is not m._inner for m in layers)
+    assert any(isinstance(m, native.KernelLinear) for _, m in model.named_modules())
+    ours = logits_stepwise(model, PROMPT, steps=8)
+    theirs = logits_stepwise(reference, PROMPT, steps=8)
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert mx.array_equal(a, b).item(), f"step {step} differs"
