@@ -25,6 +25,7 @@ import functools
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,8 +33,10 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
 from ..formats import ExpertLayer
-from .config import RuntimeConfig
 from .store import ExpertReadError
+
+if TYPE_CHECKING:  # config imports this module to resolve the default engine
+    from .config import RuntimeConfig
 
 log = logging.getLogger(__name__)
 
