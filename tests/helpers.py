@@ -90,8 +90,8 @@ def generated(
     return [t for t, _ in steps]
 
 
-def mlx_lm_convert(src: Path, dst: Path) -> Path:
-    """mlx_lm.convert -q --q-bits 4 --q-group-size 64 --dtype float32."""
+def mlx_lm_convert(src: Path, dst: Path, dtype: str = "float32") -> Path:
+    """mlx_lm.convert -q --q-bits 4 --q-group-size 64 --dtype DTYPE."""
     from mlx_lm.convert import convert as mlx_convert
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
@@ -106,7 +106,9 @@ def mlx_lm_convert(src: Path, dst: Path) -> Path:
     return dst
 
 
-def both(root: Path, family: str, seed: int = 0) -> tuple[Path, Path]:
+def both(
+    root: Path, family: str, seed: int = 0, dtype: str = "float32"
+) -> tuple[Path, Path]:
     """(convert-moe OUT, mlx-lm directory) of the same weights: one random
     checkpoint in hub layout (root/hf-FAMILY), every projection at 4 bits."""
     from builders.synthetic import tiny_model
@@ -115,8 +117,8 @@ def both(root: Path, family: str, seed: int = 0) -> tuple[Path, Path]:
 
     src = tiny_model(root / f"hf-{family}", family, seed=seed)
     out = root / f"out-{family}"
-    convert(str(src), out, bits=BITS4, dtype="float32", progress=False)
-    return out, mlx_lm_convert(src, root / f"mlx-{family}")
+    convert(str(src), out, bits=BITS4, dtype=dtype, progress=False)
+    return out, mlx_lm_convert(src, root / f"mlx-{family}", dtype)
 
 
 def mlx_lm_command(*args: str) -> subprocess.Popen:

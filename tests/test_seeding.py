@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 from helpers import (
@@ -66,10 +67,22 @@ def test_run_moe_seed_prints_mlx_lm_generate(
     assert texts[0] != texts[1]  # the seed decides the text
 
 
+@pytest.mark.device
+@pytest.mark.skipif(not mx.is_available(mx.gpu), reason="MLX has no GPU here")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_seed_prints_mlx_lm_generate(tmp_path: Path, dtype: str) -> None:
+    """On a GPU both compute in the stored dtype, so bfloat16 weights compare
+    too (a CPU computes run-moe in float32, mlx-lm in bfloat16)."""
+    out, mlx_dir = both(tmp_path, "qwen3_moe", dtype=dtype)
+    want = mlx_lm_generate({s: (mlx_dir, s) for s in SEEDS})
+    for engine in ENGINES:
+        texts = [run_moe_text(out, s, "--engine", engine) for s in SEEDS]
+        assert texts == [want[s] for s in SEEDS], engine
+
+
 def test_a_seed_counts_the_draws_of_loading(models, mlx_lm_texts) -> None:
     """Seeding after the load (as the regression did) gives other text: the
     test above can tell the two apart."""
-    import mlx.core as mx
     from mlx_lm.generate import generate
 
     import moestream
