@@ -12,7 +12,7 @@ from ..errors import user_errors
 from ..options import CONTEXT, common_options
 from ..units import human_bytes
 from .cli import bench as run_cmd
-from .llama_cli import llama_group
+from .llama_cli import beyond_cmd, llama_group
 
 
 class DefaultGroup(click.Group):
@@ -132,3 +132,4 @@ bench_group.add_command(run_cmd, "run")
 bench_group.add_command(make_model_cmd, "make-model")
 bench_group.add_command(replay_cmd, "replay")
 bench_group.add_command(llama_group, "llama-cpp")
+bench_group.add_command(beyond_cmd, "beyond-ram")

@@ -200,3 +200,78 @@ def compare_cmd(
         main(cfg, as_json)
 
     user_errors(run)
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("model", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--gguf",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+    help="The same weights as GGUF (`bench llama-cpp gguf`).",
+)
+@click.option(
+    "--budgets", default="25,50", show_default=True, help="moestream slots, %."
+)
+@click.option("--tokens", default=128, show_default=True, help="Decode tokens per run.")
+@click.option("--repeats", default=1, show_default=True)
+@click.option("--threads", default=2, show_default=True, help="llama.cpp threads.")
+@click.option(
+    "--floor",
+    default="4G",
+    show_default=True,
+    help="MemAvailable the balloon holds the machine at (never under 4G).",
+)
+@click.option(
+    "--compare",
+    multiple=True,
+    metavar="FIELD=VALUE[,...]",
+    help="More moestream rows with these RuntimeConfig fields (repeatable).",
+)
+@click.option("--llama-arg", "llama_args", multiple=True, help="More llama-bench args.")
+@click.option(
+    "--build-dir", type=click.Path(path_type=Path), default=BUILD, show_default=True
+)
+@click.option("--json", "as_json", is_flag=True)
+@common_options
+def beyond_cmd(
+    model: Path,
+    gguf: Path,
+    budgets: str,
+    tokens: int,
+    repeats: int,
+    threads: int,
+    floor: str,
+    compare: tuple[str, ...],
+    llama_args: tuple[str, ...],
+    build_dir: Path,
+    as_json: bool,
+) -> None:
+    """MODEL larger than the RAM left to it: a balloon holds the rest; moestream
+    and llama.cpp's mmap, cold and warm, against the disk's measured limit."""
+    from ..units import parse_size
+    from .beyond import BeyondConfig, main
+    from .cli import _floats, parse_compare
+    from .llama_cpp import binary
+
+    def run() -> None:
+        exe = binary(build_dir, "cpu")
+        if not exe.is_file():
+            raise FileNotFoundError(
+                f"{exe} is missing; run `moestream bench llama-cpp build`."
+            )
+        cfg = BeyondConfig(
+            out=model,
+            gguf=gguf,
+            exe=exe,
+            budgets=_floats(budgets),
+            decode_tokens=tokens,
+            repeats=repeats,
+            threads=threads,
+            floor=max(parse_size(floor), 4 << 30),
+            llama_extra=llama_args,
+            runtime_fields=tuple(parse_compare(c) for c in compare),
+        )
+        main(cfg, as_json)
+
+    user_errors(run)

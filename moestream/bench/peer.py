@@ -149,8 +149,9 @@ def summarize(row: PeerRow, cfg: PeerConfig) -> dict:
         "disk_mb_per_token": _median(row.decode, "disk_bytes_per_token") / 1e6,
         "peak_rss": max(r["peak_rss"] for r in row.decode + row.prefill),
     }
-    if not llama and row.decode and row.decode[0].get("tokens") is not None:
-        entry["tokens"] = row.decode[0]["tokens"]
+    if not llama:
+        tokens = [r["tokens"] for r in row.decode]
+        entry["tokens"] = tokens[0] if all(t == tokens[0] for t in tokens) else None
     return entry
 
 
@@ -165,6 +166,7 @@ COLUMNS = [
     ("read_mb_per_token", "read MB/tok", "{:.1f}"),
     ("disk_mb_per_token", "disk MB/tok", "{:.1f}"),
     ("peak_rss", "peak RSS MB", "{:.0f}"),
+    ("same_tokens", "tokens = mlx-lm", "{}"),
 ]
 
 
@@ -177,6 +179,8 @@ def format_table(result: dict) -> str:
         r = dict(r, peak_rss=r["peak_rss"] / 2**20)
         if ref is not None:
             r["decode_ratio"] = r["decode_tps"] / ref["decode_tps"]
+            if "tokens" in r:  # exactness: the same sampled tokens (same seed)
+                r["same_tokens"] = r["tokens"] == ref["tokens"]
         cells = [
             "" if r.get(k) is None or r.get(k) != r.get(k) else f.format(r[k])
             for k, _, f in COLUMNS

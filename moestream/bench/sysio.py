@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -37,3 +38,33 @@ def meminfo() -> dict[str, int]:
         value = rest.split()
         out[name] = int(value[0]) * (1024 if len(value) > 1 else 1)
     return out
+
+
+def direct_read_gbps(path: Path, block: int, total: int, threads: int = 1) -> float:
+    """GB/s of O_DIRECT reads of `block` bytes at random aligned offsets of
+    `path` (no page cache on either side), `threads` reads in flight."""
+    import mmap
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = Path(path).stat().st_size
+    block = max(4096, block // 4096 * 4096)
+    count = max(threads, total // block)
+    rng = random.Random(0)
+    offsets = [rng.randrange(0, (size - block) // 4096) * 4096 for _ in range(count)]
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    bufs = [mmap.mmap(-1, block) for _ in range(threads)]  # page-aligned
+
+    def worker(i: int) -> None:
+        for off in offsets[i::threads]:
+            os.preadv(fd, [bufs[i]], off)
+
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(worker, range(threads)))
+        return count * block / 1e9 / (time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
