@@ -55,7 +55,9 @@ SKIP = (
 )
 VARIANTS = {
     "cpu": ["-DGGML_NATIVE=ON"],
-    "cuda": ["-DGGML_NATIVE=OFF", "-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"],
+    # native CPU code too: with --cpu-moe / --n-cpu-moe the experts run on the
+    # host's CPU, built where it runs
+    "cuda": ["-DGGML_NATIVE=ON", "-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"],
 }
 COMMON_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
