@@ -36,7 +36,7 @@ while not done.is_set():
         held.pop().close()
         continue
     if free - chunk > leave:
-        m = mmap.mmap(-1, chunk)
+        m = mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         for _ in range(chunk // len(block)):
             m.write(block)
         held.append(m)
