@@ -12,6 +12,7 @@ from ..errors import user_errors
 from ..options import CONTEXT, common_options
 from ..units import human_bytes
 from .cli import bench as run_cmd
+from .llama_cli import beyond_cmd, llama_group
 
 
 class DefaultGroup(click.Group):
@@ -130,3 +131,5 @@ def replay_cmd(out: str, text: str, tokens: int, offset: int, slots: str) -> Non
 bench_group.add_command(run_cmd, "run")
 bench_group.add_command(make_model_cmd, "make-model")
 bench_group.add_command(replay_cmd, "replay")
+bench_group.add_command(llama_group, "llama-cpp")
+bench_group.add_command(beyond_cmd, "beyond-ram")

@@ -31,6 +31,7 @@ from ..runtime.config import RuntimeConfig
 from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
 from ..units import peak_rss
 from .replay import replay_all
+from .sysio import read_bytes
 
 # A fixed prompt (in-domain for code models), packaged with moestream: the
 # benchmark's routing stays the same across commits.
@@ -112,15 +113,19 @@ def run(job: Job) -> dict:
         if job.cold:
             runtime.store.drop_cache()
         runtime.stats.reset()
+    disk = read_bytes()
     start = time.perf_counter()
     tokens = [int(t) for t, _ in steps]
     n = len(tokens)
     decode = time.perf_counter() - start
+    disk = read_bytes() - disk
     result = {
         "prefill_s": prefill,
         "prefill_tps": job.prompt_tokens / prefill,
         "decode_tps": n / decode,
         "decode_tokens": n,
+        # from storage, as the kernel counts it (page-cache hits count nothing)
+        "disk_bytes_per_token": disk / max(n, 1),
         "tokens": tokens,
         "peak_rss": peak_rss(),
         "device_peak": mx.get_peak_memory() if mx.default_device() != mx.cpu else None,

@@ -1,0 +1,224 @@
+"""A model larger than the RAM left to it: moestream and llama.cpp's mmap
+under a balloon, against the disk's measured limit.
+
+1. The disk: O_DIRECT reads of whole expert records, one at a time and
+   several in flight (the limit is the best of those).
+2. In RAM, no balloon: moestream with every expert in slots, warm (the
+   compute time per token of the roofline), and llama.cpp warm.
+3. Under the balloon (MemAvailable held near `floor`, so the page cache has
+   about that much room): every row cold (page cache dropped first), then the
+   same row again warm (what the page cache kept). Decoding is sampled
+   (moestream, temperature 1) or random ids (llama-bench's tg), so routing
+   does not repeat.
+
+Roofline per row: max(compute s/token in RAM, disk bytes/token / limit).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..formats import load_manifest
+from ..formats.manifest import inside
+from .balloon import FLOOR, Balloon, available
+from .harness import DECODE_PROMPT_TOKENS, capacity_for, run_job
+from .llama_cpp import LlamaJob, run_llama_bench
+from .sysio import direct_read_gbps
+from .worker import Job
+
+
+@dataclass(frozen=True)
+class BeyondConfig:
+    out: Path
+    gguf: Path
+    exe: Path
+    budgets: tuple[float, ...] = (25, 50)  # % of experts in slots
+    decode_tokens: int = 128
+    repeats: int = 1
+    threads: int = 2
+    floor: int = FLOOR  # MemAvailable the balloon holds the machine at
+    llama_extra: tuple[str, ...] = ()
+    runtime_fields: tuple[tuple[str, dict], ...] = ()  # --compare variants
+
+
+def measure_disk(out: Path) -> dict:
+    manifest = load_manifest(out)
+    layer = manifest.layers[len(manifest.layers) // 2]
+    path = inside(out, layer.file)
+    result = {}
+    for threads in (1, 4, 8):
+        total = 64 * layer.record_nbytes
+        result[f"qd{threads}"] = direct_read_gbps(
+            path, layer.record_nbytes, total, threads
+        )
+    result["limit"] = max(result.values())
+    result["record_bytes"] = layer.record_nbytes
+    return result
+
+
+def moestream_job(cfg: BeyondConfig, pct: float, cold: bool, runtime: dict) -> Job:
+    config = json.loads((cfg.out / "config.json").read_text())
+    cap = capacity_for(pct, config["num_experts"], config["num_experts_per_tok"])
+    job = Job(
+        str(cfg.out),
+        cap,
+        cold=cold,
+        prompt_tokens=DECODE_PROMPT_TOKENS,
+        decode_tokens=cfg.decode_tokens,
+    )
+    return replace(job, runtime=replace(job.runtime, **runtime))
+
+
+def llama_job(cfg: BeyondConfig, cold: bool) -> LlamaJob:
+    return LlamaJob(
+        str(cfg.exe),
+        str(cfg.gguf),
+        decode_tokens=cfg.decode_tokens,
+        threads=cfg.threads,
+        cold=cold,
+        extra=cfg.llama_extra,
+    )
+
+
+def _moe(job: Job) -> dict:
+    r = run_job(job)
+    return {
+        "tps": r["decode_tps"],
+        "disk": r["disk_bytes_per_token"],
+        "read": r["bytes_per_token"],
+        "rss": r["peak_rss"],
+        "hit": r.get("hit_rate"),
+        "tokens": r["tokens"],
+    }
+
+
+def _llama(job: LlamaJob) -> dict:
+    r = run_llama_bench(job)
+    return {
+        "tps": r["tps"],
+        "disk": r["disk_bytes_per_token"],
+        "read": None,
+        "rss": r["peak_rss"],
+        "hit": None,
+    }
+
+
+def plan(cfg: BeyondConfig) -> list[tuple[str, str, Callable[[], dict]]]:
+    """(name, mode, run) of the rows under the balloon: each cold, then warm."""
+    rows = []
+    variants = [("", {}), *cfg.runtime_fields]
+    for pct in cfg.budgets:
+        for label, fields in variants:
+            name = f"moestream {pct:g} %" + (f" {label}" if label else "")
+            for cold in (True, False):
+                job = moestream_job(cfg, pct, cold, fields)
+                rows.append((name, "cold" if cold else "warm", lambda j=job: _moe(j)))
+    for cold in (True, False):
+        job = llama_job(cfg, cold)
+        rows.append(
+            ("llama.cpp mmap", "cold" if cold else "warm", lambda j=job: _llama(j))
+        )
+    return rows
+
+
+def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> dict:
+    disk = measure_disk(cfg.out)
+    progress(f"disk: {json.dumps(disk)}")
+    # In RAM, without the balloon: moestream first, llama.cpp after the
+    # balloon rows (the same run; no page cache of the GGUF left to them).
+    in_ram = [
+        ("moestream 100 %", lambda: _moe(moestream_job(cfg, 100, False, {}))),
+        ("llama.cpp mmap", lambda: _llama(llama_job(cfg, False))),
+    ]
+    results: dict[tuple[str, str, str], list[dict]] = {}
+
+    def record(name: str, mode: str, where: str, run: Callable[[], dict]) -> None:
+        results.setdefault((name, mode, where), []).append(run())
+        progress(f"{where} {name} {mode}: {available() >> 20} MB available")
+
+    for _ in range(cfg.repeats):
+        record(*in_ram[0][:1], "warm", "in RAM", in_ram[0][1])
+    with Balloon(leave=cfg.floor + (512 << 20), floor=cfg.floor) as balloon:
+        progress(f"balloon holds {balloon.held >> 20} MB, {available() >> 20} MB left")
+        for _ in range(cfg.repeats):
+            for name, mode, run in plan(cfg):
+                record(name, mode, "balloon", run)
+        held = balloon.held
+    for _ in range(cfg.repeats):
+        record(*in_ram[1][:1], "warm", "in RAM", in_ram[1][1])
+    return summarize(results, disk, held)
+
+
+def summarize(results: dict, disk: dict, held: int) -> dict:
+    compute = {}
+    for (name, _, where), runs in results.items():
+        if where == "in RAM":
+            compute[name.split()[0]] = 1 / statistics.median(r["tps"] for r in runs)
+    out = []
+    for (name, mode, where), runs in results.items():
+        tps = statistics.median(r["tps"] for r in runs)
+        dpt = statistics.median(r["disk"] for r in runs)
+        own = compute.get(name.split()[0], compute.get("moestream"))
+        bound = max(own, dpt / (disk["limit"] * 1e9))
+        out.append(
+            {
+                "row": name,
+                "mode": mode,
+                "memory": where,
+                "decode_tps": tps,
+                "spread": [r["tps"] for r in runs],
+                "disk_mb_per_token": dpt / 1e6,
+                "read_mb_per_token": None
+                if runs[0]["read"] is None
+                else statistics.median(r["read"] for r in runs) / 1e6,
+                "disk_mb_s": dpt * tps / 1e6,
+                "peak_rss": max(r["rss"] for r in runs),
+                "hit_rate": runs[0]["hit"],
+                "roofline_s": bound,
+                "x_roofline": bound * tps,
+            }
+        )
+    return {"disk_gbps": disk, "balloon_bytes": held, "compute_s": compute, "rows": out}
+
+
+COLUMNS = [
+    ("row", "row", "{}"),
+    ("memory", "memory", "{}"),
+    ("mode", "mode", "{}"),
+    ("decode_tps", "decode tok/s", "{:.3f}"),
+    ("hit_rate", "slot hit", "{:.2f}"),
+    ("read_mb_per_token", "read MB/tok", "{:.0f}"),
+    ("disk_mb_per_token", "disk MB/tok", "{:.0f}"),
+    ("disk_mb_s", "disk MB/s", "{:.0f}"),
+    ("peak_rss", "peak RSS MB", "{:.0f}"),
+    ("roofline_s", "roofline s/tok", "{:.2f}"),
+    ("x_roofline", "x roofline", "{:.2f}"),
+]
+
+
+def format_table(result: dict) -> str:
+    head = [t for _, t, _ in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["rows"]:
+        r = dict(r, peak_rss=r["peak_rss"] / 2**20)
+        cells = ["" if r.get(k) is None else f.format(r[k]) for k, _, f in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    d = result["disk_gbps"]
+    lines.append(
+        f"\ndisk (O_DIRECT, {d['record_bytes'] >> 10} KiB records): "
+        f"qd1 {d['qd1']:.2f}, "
+        f"qd4 {d['qd4']:.2f}, qd8 {d['qd8']:.2f} GB/s; limit {d['limit']:.2f} GB/s. "
+        f"balloon {result['balloon_bytes'] >> 20} MB."
+    )
+    return "\n".join(lines)
+
+
+def main(cfg: BeyondConfig, as_json: bool) -> dict:
+    result = run_beyond(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=1) if as_json else format_table(result))
+    return result

@@ -1,0 +1,195 @@
+"""moestream, mlx-lm resident and llama.cpp in one table, runs interleaved.
+
+Every run is a fresh process; each repeat runs every row once, in the same
+order, so the rows share the machine's load; medians are reported. The
+llama.cpp rows run llama-bench (its `tg` test decodes random token ids, so
+its routing does not repeat; moestream decodes sampled tokens at
+temperature 1 for the same reason).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .harness import BenchConfig, Row, plan_rows, run_job
+from .llama_cpp import LlamaJob, run_llama_bench
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    out: Path  # the converted model
+    ggufs: tuple[tuple[str, Path], ...]  # (label, file) of the same weights
+    exe: Path  # llama-bench
+    budgets: tuple[float, ...] = (100, 25)
+    modes: tuple[str, ...] = ("warm",)
+    decode_tokens: int = 32
+    prompt_tokens: int = 512
+    repeats: int = 3
+    threads: int = 2
+    ngl: int | None = None
+    n_cpu_moe: int | None = None
+    llama_extra: tuple[str, ...] = ()
+    resident: bool = True  # the mlx-lm row (off where it does not fit in RAM)
+    bench: BenchConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        cfg = BenchConfig(
+            self.out,
+            self.budgets,
+            self.modes,
+            self.decode_tokens,
+            self.prompt_tokens,
+            verify_cost=False,
+        )
+        object.__setattr__(self, "bench", cfg)
+
+
+@dataclass
+class PeerRow:
+    engine: str
+    slots: str
+    mode: str
+    decode_run: Callable[[], dict]
+    prefill_run: Callable[[], dict] | None
+    decode: list[dict] = field(default_factory=list)
+    prefill: list[dict] = field(default_factory=list)
+
+
+def moestream_rows(cfg: PeerConfig) -> list[PeerRow]:
+    rows: list[Row] = plan_rows(cfg.bench)
+    if not cfg.resident:
+        rows = rows[1:]
+    out = []
+    for row in rows:
+        pre = replace(row.job, prompt_tokens=cfg.prompt_tokens, decode_tokens=0)
+        out.append(
+            PeerRow(
+                "mlx-lm resident" if row.job.capacity is None else "moestream",
+                "-"
+                if row.job.capacity is None
+                else f"{row.job.capacity} ({row.budget_pct:g} %)",
+                row.mode,
+                lambda j=row.job: run_job(j),
+                (lambda j=pre: run_job(j)) if cfg.prompt_tokens else None,
+            )
+        )
+    return out
+
+
+def llama_rows(cfg: PeerConfig) -> list[PeerRow]:
+    out = []
+    for label, path in cfg.ggufs:
+        for mode in cfg.modes:
+            base = LlamaJob(
+                str(cfg.exe),
+                str(path),
+                threads=cfg.threads,
+                cold=mode == "cold",
+                ngl=cfg.ngl,
+                n_cpu_moe=cfg.n_cpu_moe,
+                extra=cfg.llama_extra,
+            )
+            tg = replace(base, decode_tokens=cfg.decode_tokens)
+            pp = replace(base, prompt_tokens=cfg.prompt_tokens)
+            out.append(
+                PeerRow(
+                    f"llama.cpp {label}",
+                    "mmap" if cfg.ngl is None else f"-ngl {cfg.ngl}",
+                    mode,
+                    lambda j=tg: run_llama_bench(j),
+                    (lambda j=pp: run_llama_bench(j)) if cfg.prompt_tokens else None,
+                )
+            )
+    return out
+
+
+def run_peer(cfg: PeerConfig, progress: Callable[[str], None] = print) -> dict:
+    rows = moestream_rows(cfg) + llama_rows(cfg)
+    for r in range(cfg.repeats):
+        for row in rows:
+            row.decode.append(row.decode_run())
+            progress(
+                f"repeat {r + 1}/{cfg.repeats} {row.engine} {row.slots} {row.mode}"
+            )
+    for row in rows:
+        if row.prefill_run is not None:
+            row.prefill.append(row.prefill_run())
+            progress(f"prefill {row.engine} {row.slots} {row.mode}")
+    return {
+        "config": {k: str(v) for k, v in cfg.__dict__.items() if k != "bench"},
+        "rows": [summarize(row, cfg) for row in rows],
+    }
+
+
+def _median(runs: list[dict], key: str) -> float:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(row: PeerRow, cfg: PeerConfig) -> dict:
+    llama = row.engine.startswith("llama.cpp")
+    tps, pre = ("tps", "tps") if llama else ("decode_tps", "prefill_tps")
+    entry = {
+        "engine": row.engine,
+        "slots": row.slots,
+        "mode": row.mode,
+        "decode_tps": _median(row.decode, tps),
+        "decode_spread": [r[tps] for r in row.decode],
+        "prefill_tps": _median(row.prefill, pre),
+        # time to the first token of a prompt of prompt_tokens
+        "ttft_s": _median(row.prefill, "seconds" if llama else "prefill_s"),
+        "read_mb_per_token": None
+        if llama
+        else _median(row.decode, "bytes_per_token") / 1e6,
+        "disk_mb_per_token": _median(row.decode, "disk_bytes_per_token") / 1e6,
+        "peak_rss": max(r["peak_rss"] for r in row.decode + row.prefill),
+    }
+    if not llama:
+        tokens = [r["tokens"] for r in row.decode]
+        entry["tokens"] = tokens[0] if all(t == tokens[0] for t in tokens) else None
+    return entry
+
+
+COLUMNS = [
+    ("engine", "engine", "{}"),
+    ("slots", "slots / load", "{}"),
+    ("mode", "mode", "{}"),
+    ("decode_tps", "decode tok/s", "{:.2f}"),
+    ("decode_ratio", "x mlx-lm", "{:.2f}"),
+    ("prefill_tps", "prefill tok/s", "{:.1f}"),
+    ("ttft_s", "TTFT s", "{:.2f}"),
+    ("read_mb_per_token", "read MB/tok", "{:.1f}"),
+    ("disk_mb_per_token", "disk MB/tok", "{:.1f}"),
+    ("peak_rss", "peak RSS MB", "{:.0f}"),
+    ("same_tokens", "tokens = mlx-lm", "{}"),
+]
+
+
+def format_table(result: dict) -> str:
+    rows = result["rows"]
+    ref = next((r for r in rows if r["engine"] == "mlx-lm resident"), None)
+    head = [title for _, title, _ in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        r = dict(r, peak_rss=r["peak_rss"] / 2**20)
+        if ref is not None:
+            r["decode_ratio"] = r["decode_tps"] / ref["decode_tps"]
+            if "tokens" in r:  # exactness: the same sampled tokens (same seed)
+                r["same_tokens"] = r["tokens"] == ref["tokens"]
+        cells = [
+            "" if r.get(k) is None or r.get(k) != r.get(k) else f.format(r[k])
+            for k, _, f in COLUMNS
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(cfg: PeerConfig, as_json: bool) -> dict:
+    result = run_peer(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=1) if as_json else format_table(result))
+    return result
