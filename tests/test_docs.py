@@ -26,9 +26,9 @@ FOREIGN = {
     "force-reinstall", "no-deps", "no-build-isolation",  # pip
     "hosts", "backend", "add-host",  # mlx.launch, docker
     "model", "q-bits", "hf-path", "mlx-path",  # mlx-lm's commands
-    "n-cpu-moe",  # llama.cpp
+    "n-cpu-moe", "repack", "poll",  # llama.cpp's llama-bench
     "budget", "cold", "steps", "warmup", "rounds", "recipes", "layout", "layers",
-    "bench",  # scripts/mode_ab.py, forecast_check.py, synthetic_hf.py, ...
+    "bench", "variants",  # scripts/mode_ab.py, profile_step.py, synthetic_hf.py, ...
 }  # fmt: skip
 
 
@@ -57,6 +57,10 @@ def help_flags(command: str) -> frozenset[str]:
             sub = sub.commands[name]
         if isinstance(sub, click.Group) and "run" in sub.commands:
             path = [*path, "run"]  # `moestream bench OUT` runs `bench run`
+        elif isinstance(sub, click.Group):  # a group's page names its commands' flags
+            return frozenset().union(
+                *(help_flags(f"{command} {n}") for n in sub.commands)
+            )
     result = CliRunner().invoke(entry, [*path, "--help"], prog_name=program)
     assert result.exit_code == 0, (command, result.output)
     return frozenset(m.group(2) for m in FLAG.finditer(result.output))
@@ -64,14 +68,13 @@ def help_flags(command: str) -> frozenset[str]:
 
 @cache
 def every_flag() -> frozenset[str]:
-    flags: set[str] = set()
-    for program, entry in _entry_points().items():
-        flags |= help_flags(program)
+    def below(command: str, entry: click.Command) -> frozenset[str]:
+        flags = help_flags(command)
         for name, sub in getattr(entry, "commands", {}).items():
-            flags |= help_flags(f"{program} {name}")
-            for inner in getattr(sub, "commands", {}):
-                flags |= help_flags(f"{program} {name} {inner}")
-    return frozenset(flags)
+            flags |= below(f"{command} {name}", sub)
+        return flags
+
+    return frozenset().union(*(below(p, e) for p, e in _entry_points().items()))
 
 
 def _names(match: re.Match[str]) -> list[str]:
