@@ -306,19 +306,26 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
   });
 }
 
-void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,
-                         std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
+// Allocates `out` and runs `task` on the CPU stream's thread, inputs kept alive.
+template <typename Task>
+static void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
+                     mx::array& out, Task&& task) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
+  auto& enc = mx::cpu::get_command_encoder(stream);
   for (auto& a : inputs) {
     enc.set_input_array(a);
   }
   enc.set_output_array(out);
-  enc.dispatch([inputs, out, specs = specs_,
-                threads = threads_or_all(threads_)]() mutable {
-    expert_mlp_run(inputs, out, specs, threads);
-  });
+  enc.dispatch(std::forward<Task>(task));
+}
+
+void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,
+                         std::vector<mx::array>& outputs) {
+  dispatch(stream(), inputs, outputs[0],
+           [inputs, out = outputs[0], specs = specs_,
+            threads = threads_or_all(threads_)]() mutable {
+             expert_mlp_run(inputs, out, specs, threads);
+           });
 }
 
 void ExpertMlp::eval_gpu(const std::vector<mx::array>&,
@@ -348,17 +355,11 @@ static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
 
 void QuantMatmul::eval_cpu(const std::vector<mx::array>& inputs,
                            std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  enc.set_output_array(out);
-  enc.dispatch([inputs, out, spec = spec_,
-                threads = threads_or_all(threads_)]() mutable {
-    quant_matmul_run(inputs, out, spec, threads);
-  });
+  dispatch(stream(), inputs, outputs[0],
+           [inputs, out = outputs[0], spec = spec_,
+            threads = threads_or_all(threads_)]() mutable {
+             quant_matmul_run(inputs, out, spec, threads);
+           });
 }
 
 void QuantMatmul::eval_gpu(const std::vector<mx::array>&,

@@ -54,9 +54,20 @@ def run_moe_text(out: Path, seed: int, *flags: str) -> str:
     return json.loads(r.stdout.strip().splitlines()[-1])["text"]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("slots", ["all", "2"])
-@pytest.mark.parametrize("family", FAMILIES)
+def runs() -> list:
+    """(family, slots, engine): in make test each family with both engines and
+    both budgets between them; every pairing in make test-all (slow)."""
+    out = []
+    for family in FAMILIES:
+        for slots in ("all", "2"):
+            for engine in ENGINES:
+                fast = (slots == "2") == (engine == "python")
+                marks = () if fast or len(ENGINES) == 1 else pytest.mark.slow
+                out.append(pytest.param(family, slots, engine, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("family, slots, engine", runs())
 def test_run_moe_seed_prints_mlx_lm_generate(
     models, mlx_lm_texts, family: str, slots: str, engine: str
 ) -> None:
