@@ -146,66 +146,71 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict
 
 def summarize(cfg: BenchConfig, rows: list[Row], disk: dict) -> dict:
     ref = rows[0]
-    res_tps = ref.median("decode_tps")
-    res_prefill = ref.median("prefill_tps", "prefill")
     out = []
     for row in rows:
-        tps = row.median("decode_tps")
-        entry = {
-            "row": row.name,
-            "variant": row.variant,
-            "mode": row.mode,
-            "capacity": row.job.capacity,
-            "decode_tps": tps,
-            "decode_ratio": tps / res_tps,
-            # Per repeat, each over the same repeat's resident run: the spread.
-            "decode_ratios": [
-                r["decode_tps"] / ref.decode[i]["decode_tps"]
-                for i, r in enumerate(row.decode)
-            ],
-            "prefill_tps": row.median("prefill_tps", "prefill"),
-            "peak_rss": max(r["peak_rss"] for r in row.decode + row.prefill),
-            "device_peak": max(
-                (r.get("device_peak") or 0 for r in row.decode + row.prefill),
-                default=0,
-            )
-            or None,
-            "tokens_match": all(
-                r["tokens"] == ref.decode[0]["tokens"] for r in row.decode
-            ),
-        }
-        entry["prefill_ratio"] = entry["prefill_tps"] / res_prefill
+        entry = _row_entry(row, ref)
         if row.job.capacity is not None:
-            bpt = row.median("bytes_per_token")
-            bound = 1 / res_tps
-            if row.mode == "cold":
-                bound = max(bound, bpt / (disk["parallel"] * 1e9))
-            entry.update(
-                hit_rate=row.median("hit_rate"),
-                host_hit_rate=row.median("host_hit_rate")
-                if row.decode[0].get("host_tier")
-                else None,
-                lru=statistics.median(r["replay"]["lru"] for r in row.decode),
-                policy=statistics.median(
-                    r["replay"][row.job.runtime.policy] for r in row.decode
-                ),
-                belady=statistics.median(r["replay"]["belady"] for r in row.decode),
-                mb_per_token=bpt / 1e6,
-                fill_mb_per_token=row.median("fill_bytes_per_token") / 1e6,
-                prefetch_recall=row.median("prefetch_recall"),
-                prefetch_precision=row.median("prefetch_precision"),
-                wasted_mb_per_token=row.median("prefetch_wasted_bytes")
-                / 1e6
-                / cfg.decode_tokens,
-                budget=max(r["budget"] for r in row.decode + row.prefill),
-                roofline_s=bound,
-                vs_roofline=(1 / tps) / bound,
-            )
+            entry.update(_streaming_entry(cfg, row, ref, disk))
             # The host tier is host memory with its own bound (host_budget).
             host = max(r.get("host_tier") or 0 for r in row.decode + row.prefill)
             entry["peak_over_budget"] = entry["peak_rss"] / (entry["budget"] + host)
         out.append(entry)
     return {"config": _jsonable(asdict(cfg)), "disk_gbps": disk, "rows": out}
+
+
+def _row_entry(row: Row, ref: Row) -> dict:
+    """What every row reports: speed against the resident row, memory, tokens."""
+    tps = row.median("decode_tps")
+    runs = row.decode + row.prefill
+    prefill = row.median("prefill_tps", "prefill")
+    return {
+        "row": row.name,
+        "variant": row.variant,
+        "mode": row.mode,
+        "capacity": row.job.capacity,
+        "decode_tps": tps,
+        "decode_ratio": tps / ref.median("decode_tps"),
+        # Per repeat, each over the same repeat's resident run: the spread.
+        "decode_ratios": [
+            r["decode_tps"] / ref.decode[i]["decode_tps"]
+            for i, r in enumerate(row.decode)
+        ],
+        "prefill_tps": prefill,
+        "prefill_ratio": prefill / ref.median("prefill_tps", "prefill"),
+        "peak_rss": max(r["peak_rss"] for r in runs),
+        "device_peak": max((r.get("device_peak") or 0 for r in runs), default=0)
+        or None,
+        "tokens_match": all(r["tokens"] == ref.decode[0]["tokens"] for r in row.decode),
+    }
+
+
+def _streaming_entry(cfg: BenchConfig, row: Row, ref: Row, disk: dict) -> dict:
+    """A streaming row's cache, reads and roofline."""
+    tps = row.median("decode_tps")
+    bpt = row.median("bytes_per_token")
+    bound = 1 / ref.median("decode_tps")
+    if row.mode == "cold":
+        bound = max(bound, bpt / (disk["parallel"] * 1e9))
+    replay = [r["replay"] for r in row.decode]
+    return {
+        "hit_rate": row.median("hit_rate"),
+        "host_hit_rate": row.median("host_hit_rate")
+        if row.decode[0].get("host_tier")
+        else None,
+        "lru": statistics.median(r["lru"] for r in replay),
+        "policy": statistics.median(r[row.job.runtime.policy] for r in replay),
+        "belady": statistics.median(r["belady"] for r in replay),
+        "mb_per_token": bpt / 1e6,
+        "fill_mb_per_token": row.median("fill_bytes_per_token") / 1e6,
+        "prefetch_recall": row.median("prefetch_recall"),
+        "prefetch_precision": row.median("prefetch_precision"),
+        "wasted_mb_per_token": row.median("prefetch_wasted_bytes")
+        / 1e6
+        / cfg.decode_tokens,
+        "budget": max(r["budget"] for r in row.decode + row.prefill),
+        "roofline_s": bound,
+        "vs_roofline": (1 / tps) / bound,
+    }
 
 
 def _jsonable(d: dict) -> dict:

@@ -70,35 +70,13 @@ def prompt_ids(tokenizer: object, n: int) -> list[int]:
 def run(job: Job) -> dict:
     out = Path(job.out)
     tokenizer = load_tokenizer(out, eos_token_ids=load_config(out).get("eos_token_id"))
-    if job.capacity is None:
-        model = _resident(job)
-        runtime = None
-    else:
-        context = job.prompt_tokens + job.decode_tokens + 1
-        if job.runtime.verify:  # as load will: its read buffers stay in RSS
-            check_files(out, load_manifest(out))
-        budget = budget_for(out, job.capacity, context, job.runtime)
-        gc.collect()
-        options = replace(
-            job.runtime,
-            cache_experts=job.capacity,
-            memory_budget=budget,
-            context=context,
-            record_trace=True,
-        )
-        model, _ = load(out, options, tokenizer=tokenizer)
-        runtime = runtime_of(model)
-        if job.cold:
-            runtime.store.drop_cache()
+    model, runtime = _model(job, tokenizer)
     prompt = mx.array(prompt_ids(tokenizer, job.prompt_tokens))
     if mx.default_device() != mx.cpu:  # compile every decode kernel shape first
         warm = mx.array(prompt_ids(tokenizer, 16))
         for _ in generate_step(warm, model, max_tokens=GPU_WARMUP_TOKENS):
             pass
-        if runtime is not None:
-            if job.cold:
-                runtime.store.drop_cache()
-            runtime.stats.reset()
+        _restart(job, runtime)
     mx.random.seed(job.seed)
     steps = generate_step(
         prompt,
@@ -109,10 +87,7 @@ def run(job: Job) -> dict:
     start = time.perf_counter()
     next(steps)  # prefill, and the first token
     prefill = time.perf_counter() - start
-    if runtime is not None:
-        if job.cold:
-            runtime.store.drop_cache()
-        runtime.stats.reset()
+    _restart(job, runtime)
     disk = read_bytes()
     start = time.perf_counter()
     tokens = [int(t) for t, _ in steps]
@@ -131,17 +106,56 @@ def run(job: Job) -> dict:
         "device_peak": mx.get_peak_memory() if mx.default_device() != mx.cpu else None,
     }
     if runtime is not None:
-        s = runtime.stats.collect()  # the native engine's counters
-        result.update(s.as_dict())
-        result["bytes_per_token"] = s.bytes_read / max(n, 1)
-        result["fill_bytes_per_token"] = s.fill_bytes / max(n, 1)
-        result["budget"] = runtime.plan.budget
-        result["capacity"] = runtime.plan.capacity
-        result["host_tier"] = runtime.plan.host_tier
-        traces = s.routing()
-        capacity, cfg = runtime.plan.capacity, job.runtime
-        result["replay"] = replay_all(traces, capacity, cfg.policy, cfg.lrfu_decay)
+        result.update(_streaming_result(job, runtime, n))
     return result
+
+
+def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
+    """The resident model (capacity None), or the streaming one and its runtime."""
+    if job.capacity is None:
+        return _resident(job), None
+    out = Path(job.out)
+    context = job.prompt_tokens + job.decode_tokens + 1
+    if job.runtime.verify:  # as load will: its read buffers stay in RSS
+        check_files(out, load_manifest(out))
+    budget = budget_for(out, job.capacity, context, job.runtime)
+    gc.collect()
+    options = replace(
+        job.runtime,
+        cache_experts=job.capacity,
+        memory_budget=budget,
+        context=context,
+        record_trace=True,
+    )
+    model, _ = load(out, options, tokenizer=tokenizer)
+    runtime = runtime_of(model)
+    if job.cold:
+        runtime.store.drop_cache()
+    return model, runtime
+
+
+def _restart(job: Job, runtime: object | None) -> None:
+    """Before a timed part: counters from zero, the page cache dropped if cold."""
+    if runtime is None:
+        return
+    if job.cold:
+        runtime.store.drop_cache()
+    runtime.stats.reset()
+
+
+def _streaming_result(job: Job, runtime: object, n: int) -> dict:
+    """The streaming engine's counters, bytes per token, plan and replays."""
+    s = runtime.stats.collect()  # the native engine's counters
+    capacity, cfg = runtime.plan.capacity, job.runtime
+    return {
+        **s.as_dict(),
+        "bytes_per_token": s.bytes_read / max(n, 1),
+        "fill_bytes_per_token": s.fill_bytes / max(n, 1),
+        "budget": runtime.plan.budget,
+        "capacity": capacity,
+        "host_tier": runtime.plan.host_tier,
+        "replay": replay_all(s.routing(), capacity, cfg.policy, cfg.lrfu_decay),
+    }
 
 
 def _resident(job: Job) -> nn.Module:
