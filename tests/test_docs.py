@@ -24,6 +24,7 @@ COMMAND = re.compile(
 # pip, mlx.launch, Docker, mlx-lm's own commands, the scripts under scripts/.
 FOREIGN = {
     "force-reinstall", "no-deps", "no-build-isolation",  # pip
+    "dist", "durations",  # pytest
     "hosts", "backend", "add-host",  # mlx.launch, docker
     "model", "q-bits", "hf-path", "mlx-path",  # mlx-lm's commands
     "n-cpu-moe", "repack", "poll",  # llama.cpp's llama-bench
