@@ -4,9 +4,10 @@
 and can run) hands each streaming layer an `ExpertCache` (csrc/, built by
 `pip install`) whose `fetch` primitive turns routed expert ids into slot ids
 while MLX evaluates the graph: misses are read on the stream (CPU); on a GPU
-a host function in the CUDA stream resolves them, or, where the host tier
-holds a layer's records for good, a kernel does from the device's copy of
-the slot table (RuntimeConfig.device_resolve). A decode step never returns
+a kernel resolves them from the device's copies of the slot table and the
+host tier's table, and only records the tier lacks are read, by a host thread
+that serves the kernel's pinned mailbox (RuntimeConfig.device_resolve; a host
+function in the CUDA stream is the reference path). A decode step never returns
 to Python between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
 holds records in host memory between the blob and the slots: its reader
 threads read a call's misses in parallel and the next layer's predicted
