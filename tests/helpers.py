@@ -48,6 +48,16 @@ def same_files(a: Path, b: Path) -> None:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 
+def parse_metrics(body: bytes) -> dict[str, float]:
+    """A Prometheus text page (`/metrics`): each sample's value by its name."""
+    out = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def corrupt_layer(out: Path, layer, flip: int = 0x10, at: int = 7) -> bytes:
     """Damage one byte of every expert record of manifest layer `layer` in
     place (same inode); returns the blob's original bytes, to restore it."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 from click.testing import CliRunner
+from helpers import parse_metrics
 from mlx_lm.generate import stream_generate
 from mlx_lm.utils import load_tokenizer
 
@@ -117,12 +118,7 @@ def post(server: Server, path: str, body: bytes) -> tuple[int, bytes]:
 def metrics(server: Server) -> dict[str, float]:
     status, body = get(server, "/metrics")
     assert status == 200
-    out = {}
-    for line in body.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(body)
 
 
 def test_completion_equals_resident_greedy(client, tok, reference) -> None:

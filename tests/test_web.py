@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 from builders.synthetic import tiny_qwen3_moe
-from helpers import BITS
+from helpers import BITS, parse_metrics
 
 import moestream
 from moestream.converter import convert
@@ -67,12 +67,7 @@ def get(server: Server, path: str) -> tuple[int, bytes, str]:
 def metrics(server: Server) -> dict[str, float]:
     status, body, _ = get(server, "/metrics")
     assert status == 200
-    out = {}
-    for line in body.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(body)
 
 
 def chat(server: Server, content: str, n: int = 12) -> str:
