@@ -67,6 +67,8 @@ NB_MODULE(_native, m) {
     return moestream::crc32(
         reinterpret_cast<const uint8_t*>(b.c_str()), b.size(), crc);
   }, "data"_a, "crc"_a = 0);
+  m.def("crc32_combine", &moestream::crc32_combine, "crc1"_a, "crc2"_a,
+        "len2"_a, "The CRC-32 of A then B from crc32(A), crc32(B), len(B).");
 
   nb::class_<HostTier>(m, "HostTier")
       .def(
@@ -147,6 +149,8 @@ NB_MODULE(_native, m) {
           "(call, hits, misses, bytes_read, prefetched) of each call resolved "
           "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
+      .def_rw("readers", &ExpertCache::readers,
+              "Reader threads one record's read is split over (in pieces).")
       .def_rw("device_resolve", &ExpertCache::device_resolve,
               "On a GPU, unless a layer reads ahead into the host tier: slots "
               "and tier records resolved by a kernel, else by a host function "

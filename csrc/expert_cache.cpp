@@ -97,6 +97,40 @@ uint32_t crc32(const uint8_t* p, size_t n, uint32_t crc) {
   return ~crc;
 }
 
+// zlib's crc32_combine: the CRC of A followed by B from crc(A), crc(B) and
+// B's length, multiplying by x^(8 len) modulo the polynomial.
+namespace {
+
+uint32_t multmodp(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) {
+        break;
+      }
+    }
+    m >>= 1;
+    b = b & 1 ? (b >> 1) ^ 0xEDB88320u : b >> 1;
+  }
+  return p;
+}
+
+} // namespace
+
+uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, int64_t len2) {
+  uint32_t x2n = 1u << 30; // x^1, squared to x^(2^k) as k climbs
+  uint32_t p = 1u << 31; // x^0
+  // x^(8 len2) = product of x^(2^k) over the set bits of 8 len2
+  for (uint64_t n = uint64_t(len2) << 3; n; n >>= 1) {
+    if (n & 1) {
+      p = multmodp(x2n, p);
+    }
+    x2n = multmodp(x2n, x2n);
+  }
+  return multmodp(p, crc1) ^ crc2;
+}
+
 ExpertCache::ExpertCache(
     const std::string& path,
     int layer,
@@ -178,10 +212,11 @@ void ExpertCache::set_error(const std::string& e) {
   }
 }
 
-void ExpertCache::read_record(int expert, uint8_t* dst) {
-  int64_t offset = data_offset_ + int64_t(expert) * stride_, done = 0;
-  while (done < record_nbytes) {
-    ssize_t n = ::pread(fd_, dst + done, record_nbytes - done, offset + done);
+void ExpertCache::read_range(int expert, uint8_t* dst, int64_t begin,
+                             int64_t end) {
+  int64_t offset = data_offset_ + int64_t(expert) * stride_, done = begin;
+  while (done < end) {
+    ssize_t n = ::pread(fd_, dst + done, end - done, offset + done);
     if (n < 0 && errno == EINTR) {
       continue;
     }
@@ -196,8 +231,31 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
     }
     done += n;
   }
-  if (verify_ && !verified_[expert]) {
-    if (crc32(dst, record_nbytes) != checksums_[expert]) {
+}
+
+void ExpertCache::read_record(int expert, uint8_t* dst) {
+  bool check = verify_ && !verified_[expert];
+  // One record in pieces on the reader threads: a miss waits for the slowest
+  // piece, not the whole record (and the disk sees several reads in flight).
+  int64_t piece = std::max<int64_t>(
+      kMinPiece, (record_nbytes + readers - 1) / std::max(readers, 1));
+  piece = (piece + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
+  int pieces = int((record_nbytes + piece - 1) / piece);
+  std::vector<uint32_t> crcs(pieces, 0);
+  parallel_reads(pieces, readers, [&](int i) {
+    int64_t begin = i * piece, end = std::min(record_nbytes, begin + piece);
+    read_range(expert, dst, begin, end);
+    if (check) {
+      crcs[i] = crc32(dst + begin, end - begin);
+    }
+  });
+  if (check) {
+    uint32_t crc = crcs[0];
+    for (int i = 1; i < pieces; i++) {
+      crc = crc32_combine(
+          crc, crcs[i], std::min(record_nbytes, (i + 1) * piece) - i * piece);
+    }
+    if (crc != checksums_[expert]) {
       throw ReadError(
           "Expert " + std::to_string(expert) + " of layer " +
           std::to_string(layer_) + " in " + path_ +

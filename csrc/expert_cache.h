@@ -47,6 +47,8 @@ struct CallRecord {
 using UseRecord = std::function<void(const uint8_t*, int64_t, int)>;
 
 uint32_t crc32(const uint8_t* data, size_t n, uint32_t crc = 0);
+// The CRC-32 of A then B, from crc32(A), crc32(B) and B's length (zlib's).
+uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, int64_t len2);
 
 // An expert record that cannot be used: Python's ExpertReadError. Its words
 // are remembered, since MLX's stream rethrows errors as plain runtime_errors.
@@ -122,8 +124,11 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // run one at a time: the stream's, or the host's after a synchronize),
   // then hand it to `use`.
   void staged(int expert, const std::function<void(const uint8_t*)>& use);
-  // Host-side read of a record into `dst` (record_nbytes), verified once.
+  // Host-side read of a record into `dst` (record_nbytes), verified once;
+  // in pieces of at least kMinPiece bytes over `readers` reader threads.
   void read_record(int expert, uint8_t* dst);
+  static constexpr int64_t kMinPiece = 256 << 10, kPieceAlign = 64 << 10;
+  int readers{8}; // RuntimeConfig.readers
   // Copy a read record into slot memory on the host (CPU slots).
   void fill_host(const uint8_t* record, int slot);
   // A stored float segment in the slot's float dtype, at `out` (cast.h).
@@ -176,6 +181,7 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
                             CallRecord* rec);
   int victim(const std::vector<char>& keep);
   void drop(int expert);
+  void read_range(int expert, uint8_t* dst, int64_t begin, int64_t end);
   void used(const std::vector<int>& experts, int tokens);
 
   friend struct GpuAccess; // cuda_fetch.cu: the table's device copy

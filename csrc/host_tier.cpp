@@ -1,6 +1,8 @@
 #include "host_tier.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <exception>
 #include <new>
 #include <stdexcept>
 
@@ -300,6 +302,52 @@ bool run_routed_read() {
   }
   task();
   return true;
+}
+
+void parallel_reads(int n, int threads, const std::function<void(int)>& body) {
+  if (n <= 1) {
+    if (n == 1) {
+      body(0);
+    }
+    return;
+  }
+  struct Share {
+    std::atomic<int> next{0};
+    std::mutex mutex;
+    std::condition_variable done;
+    int finished{0};
+    std::vector<std::exception_ptr> errors;
+  };
+  auto share = std::make_shared<Share>();
+  share->errors.resize(n);
+  // A helper that starts after every index is taken touches nothing but
+  // `share`, so `body` is only used while this call waits.
+  auto run = [share, n, fn = &body] {
+    for (int i; (i = share->next.fetch_add(1)) < n;) {
+      std::exception_ptr error;
+      try {
+        (*fn)(i);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(share->mutex);
+      share->errors[i] = error;
+      if (++share->finished == n) {
+        share->done.notify_all();
+      }
+    }
+  };
+  for (int k = 1; k < std::min(n, threads); k++) {
+    submit_read(run, true, threads);
+  }
+  run();
+  std::unique_lock<std::mutex> lock(share->mutex);
+  share->done.wait(lock, [&] { return share->finished == n; });
+  for (auto& e : share->errors) {
+    if (e) {
+      std::rethrow_exception(e);
+    }
+  }
 }
 
 } // namespace moestream

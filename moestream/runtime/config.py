@@ -69,7 +69,8 @@ class RuntimeConfig:
         the bus); default: every record if that fits in half the memory
         available at load, else that half. On a CPU: none unless given (the
         page cache is the host tier there).
-    readers: reader threads of the host tier (shared by every loaded model).
+    readers: reader threads (shared by every loaded model) of the host tier
+        and of record reads: one record's read is split into pieces over them.
     device_resolve: the native engine on a GPU, unless a layer reads ahead
         into the host tier: a kernel resolves each call's slots and host tier
         records from the device's copies of the slot table and the tier's

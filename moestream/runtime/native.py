@@ -131,10 +131,11 @@ def expert_cache(
     tier: object | None = None,
     record_calls: bool = False,
     device_resolve: bool = True,
+    readers: int = 8,
 ) -> object:
     """The native cache of one MoE layer over its evaluated slot arrays;
     `record_calls` keeps each call's counts (RuntimeStats.events);
-    `device_resolve`: RuntimeConfig's."""
+    `device_resolve` and `readers`: RuntimeConfig's."""
     require()
     segments = [
         (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
@@ -157,6 +158,7 @@ def expert_cache(
         record_calls=record_calls,
     )
     cache.device_resolve = device_resolve
+    cache.readers = readers
     cache.bind(slots, mx.default_device() != mx.cpu)
     if tier is not None:
         cache.attach(tier)
