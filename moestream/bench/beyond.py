@@ -43,6 +43,10 @@ class BeyondConfig:
     threads: int = 2
     floor: int = FLOOR  # MemAvailable the balloon holds the machine at
     llama_extra: tuple[str, ...] = ()
+    ngl: int | None = None  # llama.cpp -ngl (its CUDA build)
+    n_cpu_moe: int | None = (
+        None  # llama.cpp -ncmoe: layers whose experts stay on the CPU
+    )
     runtime_fields: tuple[tuple[str, dict], ...] = ()  # --compare variants
 
 
@@ -81,6 +85,8 @@ def llama_job(cfg: BeyondConfig, cold: bool) -> LlamaJob:
         decode_tokens=cfg.decode_tokens,
         threads=cfg.threads,
         cold=cold,
+        ngl=cfg.ngl,
+        n_cpu_moe=cfg.n_cpu_moe,
         extra=cfg.llama_extra,
     )
 

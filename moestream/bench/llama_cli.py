@@ -229,6 +229,11 @@ def compare_cmd(
     help="More moestream rows with these RuntimeConfig fields (repeatable).",
 )
 @click.option("--llama-arg", "llama_args", multiple=True, help="More llama-bench args.")
+@click.option("--cuda", is_flag=True, help="Run the CUDA build of llama-bench.")
+@click.option(
+    "--ngl", type=int, default=None, help="llama.cpp -ngl (layers on the GPU)."
+)
+@click.option("--n-cpu-moe", type=int, default=None, help="llama.cpp -ncmoe N.")
 @click.option(
     "--build-dir", type=click.Path(path_type=Path), default=BUILD, show_default=True
 )
@@ -244,6 +249,9 @@ def beyond_cmd(
     floor: str,
     compare: tuple[str, ...],
     llama_args: tuple[str, ...],
+    cuda: bool,
+    ngl: int | None,
+    n_cpu_moe: int | None,
     build_dir: Path,
     as_json: bool,
 ) -> None:
@@ -255,10 +263,11 @@ def beyond_cmd(
     from .llama_cpp import binary
 
     def run() -> None:
-        exe = binary(build_dir, "cpu")
+        exe = binary(build_dir, "cuda" if cuda else "cpu")
         if not exe.is_file():
             raise FileNotFoundError(
-                f"{exe} is missing; run `moestream bench llama-cpp build`."
+                f"{exe} is missing; run `moestream bench llama-cpp build"
+                + (" --cuda`." if cuda else "`.")
             )
         cfg = BeyondConfig(
             out=model,
@@ -270,6 +279,8 @@ def beyond_cmd(
             threads=threads,
             floor=max(parse_size(floor), 4 << 30),
             llama_extra=llama_args,
+            ngl=ngl,
+            n_cpu_moe=n_cpu_moe,
             runtime_fields=tuple(parse_compare(c) for c in compare),
         )
         main(cfg, as_json)
