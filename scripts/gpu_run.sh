@@ -6,11 +6,16 @@
 #                                         in moestream/ (no pip install there)
 #   bash scripts/gpu_run.sh medium DIR    the medium bench model into DIR
 #   bash scripts/gpu_run.sh tests ARGS    pytest -m device tests/test_device.py ARGS
+#   bash scripts/gpu_run.sh llama         llama-bench's CUDA build (sm_90) from the
+#                                         packed source in build/ (moestream bench
+#                                         llama-cpp pack), with no MLX needed yet:
+#                                         build/llama.cpp-cuda/bin/llama-bench
+#   bash scripts/gpu_run.sh gguf DIR OUT Q  DIR's weights as GGUF (q4_0 or q4_1)
 # Python runs this checkout's moestream (PYTHONPATH), on the image's python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-step=${1:?build, medium or tests}
+step=${1:?build, medium, tests, llama or gguf}
 shift
 case "$step" in
   build)
@@ -32,8 +37,27 @@ case "$step" in
   tests)
     python3 -m pytest -q -p no:cacheprovider -p no:xdist -m device tests/test_device.py "$@"
     ;;
+  llama)
+    # The flags of moestream/bench/llama_cpp.py's "cuda" variant and COMMON_FLAGS.
+    start=$(date +%s)
+    export PATH="/usr/local/cuda/bin:$PATH"
+    src=build/llama.cpp-src tree=build/llama.cpp-cuda/cmake
+    if [ ! -f "$src/CMakeLists.txt" ]; then
+      mkdir -p "$src" && tar -xzf build/llama.cpp-*-src.tar.gz -C "$src"
+    fi
+    cmake -S "$src" -B "$tree" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+      -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+      -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >build/llama-cuda.log 2>&1
+    cmake --build "$tree" --target llama-bench -j "${JOBS:-12}" >>build/llama-cuda.log 2>&1
+    mkdir -p build/llama.cpp-cuda/bin && cp "$tree/bin/llama-bench" build/llama.cpp-cuda/bin/
+    echo "llama-bench (CUDA) built in $(($(date +%s) - start)) s"
+    ;;
+  gguf)
+    python3 -m moestream bench llama-cpp gguf "${1:?DIR}" "${2:?OUT}" --quant "${3:-q4_0}"
+    ;;
   *)
-    echo "unknown step $step: build, medium or tests" >&2
+    echo "unknown step $step: build, medium, tests, llama or gguf" >&2
     exit 2
     ;;
 esac

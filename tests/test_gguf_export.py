@@ -100,3 +100,33 @@ def test_q4_1_blocks_pack_low_nibbles_first_and_split_groups():
         bf16_to_f32(biases), 64, -1
     )
     assert got.shape == (3, 128) and np.array_equal(got, want)
+
+
+def test_llama_rows_one_set_per_n_cpu_moe(tmp_path: Path) -> None:
+    """`compare --n-cpu-moe 18 --cpu-moe`: a set of llama.cpp rows for each
+    -ncmoe value, each labelled with it; the value reaches llama-bench's argv."""
+    from moestream.bench.llama_cpp import LlamaJob
+
+    assert LlamaJob("x", "m", ngl=99, n_cpu_moe=18).argv()[-4:] == [
+        "-ngl",
+        "99",
+        "-ncmoe",
+        "18",
+    ]
+    from moestream.bench.peer import PeerConfig, llama_rows
+
+    cfg = PeerConfig(
+        out=tmp_path,
+        ggufs=(("q4_0", tmp_path / "m.gguf"),),
+        exe=tmp_path / "llama-bench",
+        modes=("warm", "cold"),
+        ngl=99,
+        n_cpu_moe=(18, 24),
+    )
+    rows = llama_rows(cfg)
+    assert [(r.slots, r.mode) for r in rows] == [
+        ("-ngl 99 -ncmoe 18", "warm"),
+        ("-ngl 99 -ncmoe 18", "cold"),
+        ("-ngl 99 -ncmoe 24", "warm"),
+        ("-ngl 99 -ncmoe 24", "cold"),
+    ]

@@ -131,7 +131,12 @@ def _gguf_option(text: str) -> tuple[str, Path]:
 @click.option(
     "--ngl", type=int, default=None, help="llama.cpp -ngl (layers on the GPU)."
 )
-@click.option("--n-cpu-moe", type=int, default=None, help="llama.cpp -ncmoe N.")
+@click.option(
+    "--n-cpu-moe",
+    type=int,
+    multiple=True,
+    help="llama.cpp -ncmoe N (repeatable: one set of llama.cpp rows each).",
+)
 @click.option(
     "--cpu-moe", is_flag=True, help="Every layer's experts on the CPU (-ncmoe all)."
 )
@@ -160,7 +165,7 @@ def compare_cmd(
     repeats: int,
     threads: int,
     ngl: int | None,
-    n_cpu_moe: int | None,
+    n_cpu_moe: tuple[int, ...],
     cpu_moe: bool,
     llama_args: tuple[str, ...],
     cuda: bool,
@@ -193,7 +198,7 @@ def compare_cmd(
             repeats=repeats,
             threads=threads,
             ngl=ngl,
-            n_cpu_moe=layers if cpu_moe else n_cpu_moe,
+            n_cpu_moe=(*n_cpu_moe, *([layers] if cpu_moe else [])) or (None,),
             llama_extra=llama_args,
             resident=not no_resident,
         )

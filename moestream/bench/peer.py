@@ -32,7 +32,8 @@ class PeerConfig:
     repeats: int = 3
     threads: int = 2
     ngl: int | None = None
-    n_cpu_moe: int | None = None
+    # llama.cpp -ncmoe values: one set of llama rows each (None: not passed)
+    n_cpu_moe: tuple[int | None, ...] = (None,)
     llama_extra: tuple[str, ...] = ()
     resident: bool = True  # the mlx-lm row (off where it does not fit in RAM)
     bench: BenchConfig = field(init=False)
@@ -84,28 +85,34 @@ def moestream_rows(cfg: PeerConfig) -> list[PeerRow]:
 def llama_rows(cfg: PeerConfig) -> list[PeerRow]:
     out = []
     for label, path in cfg.ggufs:
-        for mode in cfg.modes:
-            base = LlamaJob(
-                str(cfg.exe),
-                str(path),
-                threads=cfg.threads,
-                cold=mode == "cold",
-                ngl=cfg.ngl,
-                n_cpu_moe=cfg.n_cpu_moe,
-                extra=cfg.llama_extra,
-            )
-            tg = replace(base, decode_tokens=cfg.decode_tokens)
-            pp = replace(base, prompt_tokens=cfg.prompt_tokens)
-            out.append(
-                PeerRow(
-                    f"llama.cpp {label}",
-                    "mmap" if cfg.ngl is None else f"-ngl {cfg.ngl}",
-                    mode,
-                    lambda j=tg: run_llama_bench(j),
-                    (lambda j=pp: run_llama_bench(j)) if cfg.prompt_tokens else None,
+        for n_cpu_moe in cfg.n_cpu_moe:
+            for mode in cfg.modes:
+                base = LlamaJob(
+                    str(cfg.exe),
+                    str(path),
+                    threads=cfg.threads,
+                    cold=mode == "cold",
+                    ngl=cfg.ngl,
+                    n_cpu_moe=n_cpu_moe,
+                    extra=cfg.llama_extra,
                 )
-            )
+                out.append(_llama_row(cfg, f"llama.cpp {label}", base, mode))
     return out
+
+
+def _llama_row(cfg: PeerConfig, engine: str, base: LlamaJob, mode: str) -> PeerRow:
+    where = "mmap" if base.ngl is None else f"-ngl {base.ngl}"
+    if base.n_cpu_moe is not None:
+        where += f" -ncmoe {base.n_cpu_moe}"
+    tg = replace(base, decode_tokens=cfg.decode_tokens)
+    pp = replace(base, prompt_tokens=cfg.prompt_tokens)
+    return PeerRow(
+        engine,
+        where,
+        mode,
+        lambda j=tg: run_llama_bench(j),
+        (lambda j=pp: run_llama_bench(j)) if cfg.prompt_tokens else None,
+    )
 
 
 def run_peer(cfg: PeerConfig, progress: Callable[[str], None] = print) -> dict:
