@@ -41,7 +41,7 @@ case "$step" in
     # The flags of moestream/bench/llama_cpp.py's "cuda" variant and COMMON_FLAGS.
     start=$(date +%s)
     export PATH="/usr/local/cuda/bin:$PATH"
-    src=build/llama.cpp-src tree=build/llama.cpp-cuda/cmake
+    src=/tmp/llama.cpp-src tree=/tmp/llama.cpp-cuda  # outside the synced tree
     if [ ! -f "$src/CMakeLists.txt" ]; then
       mkdir -p "$src" && tar -xzf build/llama.cpp-*-src.tar.gz -C "$src"
     fi
