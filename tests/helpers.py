@@ -111,7 +111,7 @@ def mlx_lm_convert(src: Path, dst: Path, dtype: str = "float32") -> Path:
             quantize=True,
             q_bits=4,
             q_group_size=64,
-            dtype="float32",
+            dtype=dtype,
         )
     return dst
 
