@@ -72,8 +72,8 @@ def run(job: Job) -> dict:
     tokenizer = load_tokenizer(out, eos_token_ids=load_config(out).get("eos_token_id"))
     model, runtime = _model(job, tokenizer)
     prompt = mx.array(prompt_ids(tokenizer, job.prompt_tokens))
-    if mx.default_device() != mx.cpu:  # compile every decode kernel shape first
-        warm = mx.array(prompt_ids(tokenizer, 16))
+    if mx.default_device() != mx.cpu:  # compile every kernel shape of the run first
+        warm = mx.array(prompt_ids(tokenizer, max(16, job.prompt_tokens)))
         for _ in generate_step(warm, model, max_tokens=GPU_WARMUP_TOKENS):
             pass
         _restart(job, runtime)
