@@ -244,3 +244,26 @@ def test_bench_group_runs_replay_and_keeps_bench_out(converted: Path, tmp_path: 
     assert all(0 < x <= rates[-1] for x in rates[:-1])  # Belady is the bound
     r = CliRunner().invoke(moestream_cli, ["bench", str(tmp_path / "nothing")])
     assert r.exit_code == 2 and "bench run" in r.output
+
+
+def test_x_full_divides_by_the_same_variants_full_row():
+    """A GPU row's yardstick: our own 100 % slots of the same variant and mode."""
+    from moestream.bench.harness import Row, x_full
+    from moestream.bench.worker import Job
+
+    def row(pct, variant, mode, *tps):
+        r = Row(f"{pct} % {variant}", pct, mode, Job("m", 1), variant=variant)
+        r.decode = [{"decode_tps": t} for t in tps]
+        return r
+
+    rows = [
+        row(None, "", "-", 50.0),
+        row(100, "", "warm", 100.0, 140.0, 120.0),
+        row(100, "tier", "warm", 80.0),
+        row(25, "", "warm", 60.0),
+        row(25, "tier", "warm", 40.0),
+        row(25, "", "cold", 30.0),
+    ]
+    assert x_full(rows, rows[3]) == 60.0 / 120.0  # the median of the 100 % row
+    assert x_full(rows, rows[4]) == 40.0 / 80.0
+    assert x_full(rows, rows[5]) is None  # no cold 100 % row in this run
