@@ -202,3 +202,19 @@ def test_bad_trace_files_give_one_line(tmp_path, arrays, message):
     r = CliRunner().invoke(moestream_cli, ["bench", "trace", str(path)])
     assert r.exit_code == 2 and r.output.startswith("error: ")
     assert r.output.count("\n") == 1
+
+
+def test_replay_saves_the_routing_it_records_as_a_trace(converted, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    saved = tmp_path / "fixture.npz"
+    args = ["--tokens", "48", "--slots", "3", "--save-trace", str(saved)]
+    r = CliRunner().invoke(
+        moestream_cli, ["bench", "replay", str(converted), str(text), *args]
+    )
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("48 tokens")
+    trace = load_trace(saved)
+    config = json.loads((converted / "config.json").read_text())
+    assert trace.ids.shape[1:] == (48, config["num_experts_per_tok"])
+    assert trace.num_experts == config["num_experts"]

@@ -123,9 +123,9 @@ def replay_cmd(
         traces = runtime.stats(model).routing()
         experts = runtime.runtime_of(model).plan.num_experts
         if save_trace:
-            ids = np.stack([traces[x] for x in sorted(traces)])
+            routes = np.stack([traces[x] for x in sorted(traces)])
             meta = {"geometry": {"num_experts": experts}, "source": out, "text": text}
-            write_trace(save_trace, ids, meta=meta)
+            write_trace(save_trace, routes, meta=meta)
         total = sum(len(np.unique(r)) for t in traces.values() for r in t)
         click.echo(f"{len(ids)} tokens, {len(traces)} MoE layers, {experts} experts")
         click.echo("| slots | " + " | ".join(POLICIES) + " | Belady |")
