@@ -159,6 +159,7 @@ def trace_cmd(trace: str, capacities: str, lrfu_decay: float, as_json: bool) -> 
     from empty slots, and the trace's locality."""
     import json
 
+    from .harness import capacity_for
     from .routes import format_trace_report, load_trace, trace_report
 
     def run() -> None:
@@ -168,7 +169,10 @@ def trace_cmd(trace: str, capacities: str, lrfu_decay: float, as_json: bool) -> 
             raise ValueError(
                 f"--capacities {capacities!r} is not like 5,10,25."
             ) from None
-        report = trace_report(load_trace(trace), pcts, lrfu_decay)
+        routes = load_trace(trace)
+        n, k = routes.num_experts, routes.top_k
+        slots = {p: capacity_for(p, n, k) for p in pcts}
+        report = trace_report(routes, slots, lrfu_decay)
         click.echo(
             json.dumps(report, indent=1) if as_json else format_trace_report(report)
         )

@@ -236,16 +236,13 @@ def locality(trace: RoutingTrace) -> dict[str, float]:
 
 def trace_report(
     trace: RoutingTrace,
-    percents: tuple[float, ...],
+    slots: dict[float, int],
     lrfu_decay: float = RuntimeConfig.lrfu_decay,
 ) -> dict:
-    """The trace's shape, locality and policy curves at `percents` % of experts."""
-    from .harness import capacity_for
-
-    slots = {p: capacity_for(p, trace.num_experts, trace.top_k) for p in percents}
-    curves = policy_curves(
-        trace, sorted(set(slots.values())), ("lru", "lrfu"), lrfu_decay
-    )
+    """The trace's shape, locality and policy curves at `slots` (% of experts
+    -> slots per layer)."""
+    caps = sorted(set(slots.values()))
+    curves = policy_curves(trace, caps, ("lru", "lrfu"), lrfu_decay)
     return {
         "layers": trace.layers,
         "tokens": trace.tokens,
