@@ -30,6 +30,7 @@ FOREIGN = {
     "n-cpu-moe", "repack", "poll",  # llama.cpp's llama-bench
     "budget", "cold", "steps", "warmup", "rounds", "recipes", "layout", "layers",
     "bench", "variants",  # scripts/mode_ab.py, profile_step.py, synthetic_hf.py, ...
+    "minutes", "out", "no-save-model", "max-gpu-gb",  # scripts/train_router.py
 }  # fmt: skip
 
 

@@ -82,6 +82,13 @@ def _floats(text: str) -> tuple[float, ...]:
     default=None,
     help="mlx-lm directory of the same weights (default: stack OUT's experts).",
 )
+@click.option(
+    "--trace",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A routing trace (.npz, layers x tokens x k ids) that every MoE block "
+    "routes by instead of its router; reads and kernels stay real.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, not a table.")
 @click.option(
     "--plot",
@@ -103,6 +110,7 @@ def bench(
     compare: tuple[str, ...],
     no_verify_cost: bool,
     reference: str | None,
+    trace: str | None,
     as_json: bool,
     plot_file: str | None,
     engine: dict,
@@ -124,6 +132,7 @@ def bench(
             verify_cost=not no_verify_cost,
             compare=variants,
             reference=Path(reference) if reference else None,
+            trace=Path(trace) if trace else None,
         )
         if plot_file:
             pyplot()  # a clear error before the runs, not after

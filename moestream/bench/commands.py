@@ -1,4 +1,5 @@
-"""moestream bench [run] OUT | bench make-model SCALE OUT | bench replay OUT TEXT"""
+"""moestream bench [run] OUT | bench make-model SCALE OUT | bench replay OUT TEXT
+| bench trace TRACE"""
 
 from __future__ import annotations
 
@@ -89,8 +90,16 @@ def make_model_cmd(scale: str, out: Path, export_mlx: Path | None, seed: int) ->
     show_default=True,
     help="Capacities to replay, comma-separated.",
 )
+@click.option(
+    "--save-trace",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also write the recorded routing as a trace file (.npz) for bench --trace.",
+)
 @common_options
-def replay_cmd(out: str, text: str, tokens: int, offset: int, slots: str) -> None:
+def replay_cmd(
+    out: str, text: str, tokens: int, offset: int, slots: str, save_trace: str | None
+) -> None:
     """Cache policies against Belady on OUT's routing over TEXT (teacher-forced):
     the trace is recorded with every expert resident, then replayed through
     the runtime's own slot pool at each capacity."""
@@ -101,6 +110,7 @@ def replay_cmd(out: str, text: str, tokens: int, offset: int, slots: str) -> Non
     from .. import runtime
     from ..runtime.pool import POLICIES
     from .replay import belady_hits, policy_hits
+    from .routes import write_trace
 
     def run() -> None:
         model, tok = runtime.load(out, cache_experts=10**6, record_trace=True)
@@ -111,7 +121,11 @@ def replay_cmd(out: str, text: str, tokens: int, offset: int, slots: str) -> Non
         for s in range(0, len(ids), 256):
             mx.eval(model(mx.array([ids[s : s + 256]]), cache=cache))
         traces = runtime.stats(model).routing()
-        experts = max(int(t.max()) + 1 for t in traces.values())
+        experts = runtime.runtime_of(model).plan.num_experts
+        if save_trace:
+            routes = np.stack([traces[x] for x in sorted(traces)])
+            meta = {"geometry": {"num_experts": experts}, "source": out, "text": text}
+            write_trace(save_trace, routes, meta=meta)
         total = sum(len(np.unique(r)) for t in traces.values() for r in t)
         click.echo(f"{len(ids)} tokens, {len(traces)} MoE layers, {experts} experts")
         click.echo("| slots | " + " | ".join(POLICIES) + " | Belady |")
@@ -128,8 +142,47 @@ def replay_cmd(out: str, text: str, tokens: int, offset: int, slots: str) -> Non
     user_errors(run)
 
 
+@click.command(context_settings=CONTEXT)
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--capacities",
+    default="5,10,12.5,25,50",
+    show_default=True,
+    help="Slots per layer, % of its experts (at least top-k), comma-separated.",
+)
+@click.option("--lrfu-decay", default=0.98, show_default=True, type=float)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, not a table.")
+@common_options
+def trace_cmd(trace: str, capacities: str, lrfu_decay: float, as_json: bool) -> None:
+    """LRU, LRFU and Belady hit rates on a recorded routing trace (.npz: layers x
+    tokens x k expert ids, e.g. from scripts/train_router.py), each sequence
+    from empty slots, and the trace's locality."""
+    import json
+
+    from .harness import capacity_for
+    from .routes import format_trace_report, load_trace, trace_report
+
+    def run() -> None:
+        try:
+            pcts = tuple(float(x) for x in capacities.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--capacities {capacities!r} is not like 5,10,25."
+            ) from None
+        routes = load_trace(trace)
+        n, k = routes.num_experts, routes.top_k
+        slots = {p: capacity_for(p, n, k) for p in pcts}
+        report = trace_report(routes, slots, lrfu_decay)
+        click.echo(
+            json.dumps(report, indent=1) if as_json else format_trace_report(report)
+        )
+
+    user_errors(run)
+
+
 bench_group.add_command(run_cmd, "run")
 bench_group.add_command(make_model_cmd, "make-model")
 bench_group.add_command(replay_cmd, "replay")
+bench_group.add_command(trace_cmd, "trace")
 bench_group.add_command(llama_group, "llama-cpp")
 bench_group.add_command(beyond_cmd, "beyond-ram")

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..formats import BlobReader, load_manifest
 from ..formats.manifest import inside
 from ..runtime.config import RuntimeConfig
+from .routes import check_geometry, load_trace
 from .worker import Job
 
 DECODE_PROMPT_TOKENS = 16
@@ -43,6 +44,8 @@ class BenchConfig:
     # More streaming rows at each budget, side by side with `runtime`: a label
     # and the RuntimeConfig fields it changes, e.g. ("policy=lru", {...}).
     compare: tuple[tuple[str, dict], ...] = ()
+    # A routing trace (.npz) every run's MoE blocks route by (routes.py).
+    trace: Path | None = None
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in ("warm", "cold")]
@@ -58,6 +61,11 @@ class BenchConfig:
                     "compare other fields."
                 )
             replace(self.runtime, **fields)  # validates each variant now
+        if self.trace and self.runtime.prefetch:
+            raise ValueError(
+                "--trace forces routes the model's routers cannot predict: "
+                "leave --prefetch unset (the bench turns it off)."
+            )
 
 
 @dataclass
@@ -85,6 +93,8 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
     config = json.loads((Path(cfg.out) / "config.json").read_text())
     experts = max(layer.num_experts for layer in manifest.layers)
     top_k = int(config.get("num_experts_per_tok", 1))
+    if cfg.trace:  # fail here in one line, not in every worker
+        check_geometry(load_trace(cfg.trace), experts, top_k)
     base = Job(
         out=str(cfg.out),
         capacity=None,
@@ -92,6 +102,7 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
         decode_tokens=cfg.decode_tokens,
         runtime=cfg.runtime,
         reference=str(cfg.reference) if cfg.reference else None,
+        trace=str(cfg.trace) if cfg.trace else None,
     )
     rows = [Row("resident", None, "-", base)]
     variants = [("", cfg.runtime)]
@@ -310,6 +321,8 @@ def format_table(result: dict) -> str:
         "in parallel (cold random expert records); roofline = max(resident time "
         "per token, missed MB per token / parallel disk bandwidth) for cold rows."
     )
+    if result["config"].get("trace"):
+        lines.append(f"routes forced from {result['config']['trace']} (prefetch off).")
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ from ..runtime.config import RuntimeConfig
 from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
 from ..units import peak_rss
 from .replay import replay_all
+from .routes import force_routes, load_trace
 from .sysio import read_bytes
 
 # A fixed prompt (in-domain for code models), packaged with moestream: the
@@ -52,6 +53,8 @@ class Job:
     # and routing that is not stuck in the loops greedy decode falls into.
     temp: float = 1.0
     seed: int = 0
+    # A routing trace (.npz) forced into every MoE block's router (bench only).
+    trace: str | None = None
 
 
 # On a GPU the first use of a kernel shape compiles it (20-47 s): a run decodes
@@ -113,7 +116,7 @@ def run(job: Job) -> dict:
 def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
     """The resident model (capacity None), or the streaming one and its runtime."""
     if job.capacity is None:
-        return _resident(job), None
+        return _forced(job, _resident(job)), None
     out = Path(job.out)
     context = job.prompt_tokens + job.decode_tokens + 1
     if job.runtime.verify:  # as load will: its read buffers stay in RSS
@@ -126,12 +129,22 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
         memory_budget=budget,
         context=context,
         record_trace=True,
+        # The model's routers do not know a forced trace: nothing to predict with.
+        prefetch=False if job.trace else job.runtime.prefetch,
     )
     model, _ = load(out, options, tokenizer=tokenizer)
+    _forced(job, model)
     runtime = runtime_of(model)
     if job.cold:
         runtime.store.drop_cache()
     return model, runtime
+
+
+def _forced(job: Job, model: nn.Module) -> nn.Module:
+    """`model`, routing as `job.trace` says when there is one."""
+    if job.trace:
+        force_routes(model, load_trace(job.trace))
+    return model
 
 
 def _restart(job: Job, runtime: object | None) -> None:
