@@ -565,6 +565,9 @@ void ExpertFetch::eval_cpu(
     int tokens = int(n / std::max<int64_t>(1, inds.shape(-1)));
     auto& c = *cache;
     c.counters.calls += 1;
+    // Slot 0 wherever a failed read leaves a pair unresolved: the ops after a
+    // failed fetch still run, and must never see an id past the slots.
+    std::memset(out.data<uint32_t>(), 0, out.nbytes());
     c.resolve_call(
         inds.data<uint32_t>(), n, tokens, out.data<uint32_t>(), call,
         [&](const uint8_t* record, int64_t, int s) { c.fill_host(record, s); });
