@@ -151,9 +151,6 @@ NB_MODULE(_native, m) {
               "On a GPU, unless a layer reads ahead into the host tier: slots "
               "and tier records resolved by a kernel, else by a host function "
               "of the stream.")
-      .def_rw("drop_copied", &ExpertCache::drop_copied,
-              "Without a host tier: a missed record's pages dropped from the "
-              "page cache once it is copied into its slot.")
       .def("take_error", [](ExpertCache& c) {
         moestream::gpu_collect(c);
         std::lock_guard<std::mutex> lock(c.error_mutex);

@@ -305,10 +305,6 @@ void ExpertCache::resolve_call(
   } else {
     resolve(experts, n, tokens, out, [&](int e, int s) {
       staged(e, [&](const uint8_t* r) { use(r, -1, s); });
-      if (drop_copied) {
-        ::posix_fadvise(fd_, data_offset_ + int64_t(e) * stride_,
-                        record_nbytes, POSIX_FADV_DONTNEED);
-      }
       if (rec) {
         rec->bytes_read += record_nbytes;
       }

@@ -161,10 +161,6 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   int64_t tier_base() const {
     return tier_base_;
   }
-  // Without a host tier: after a missed record is copied into its slot, drop
-  // its pages from the page cache (POSIX_FADV_DONTNEED), which would otherwise
-  // hold a second copy of what the slot holds.
-  bool drop_copied{false};
   // The device's copy of the table is the current one (a kernel resolved
   // since the host last did): the host's is stale until gpu_sync_host.
   bool device_owned{false};

@@ -398,7 +398,6 @@ ENGINE_FLAGS = {
     "--no-device-resolve": (None, "device_resolve", False),
     "--no-cpu-kernel": (None, "cpu_kernel", False),
     "--kernel-threads": ("1", "kernel_threads", 1),
-    "--drop-copied": (None, "drop_copied", True),
 }
 
 

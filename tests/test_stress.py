@@ -48,7 +48,6 @@ RUNTIME_CHOICES: dict[str, list] = {
     "device_resolve": [False, True],  # a GPU's: no effect on a CPU
     "cpu_kernel": [None, False],  # True: the python engine too
     "kernel_threads": [0, 1],
-    "drop_copied": [False, True],
 }
 FAST_CASES, SLOW_CASES = 30, 1000
 FAST_SETS, SLOW_SETS = 8, 60  # option sets per run

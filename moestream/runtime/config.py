@@ -91,10 +91,6 @@ class RuntimeConfig:
         Layers it does not cover (other activations, biases, other dtypes)
         run MLX's ops.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
-    drop_copied: the native engine without a host tier drops a missed record's
-        pages from the page cache once it is in its slot (POSIX_FADV_DONTNEED),
-        so the page cache keeps other records instead of a second copy (the
-        python engine reads as it always does).
     """
 
     memory_budget: int | str | None = None
@@ -116,7 +112,6 @@ class RuntimeConfig:
     device_resolve: bool = True
     cpu_kernel: bool | None = None
     kernel_threads: int = 0
-    drop_copied: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.concurrency, int) and self.concurrency >= 1):

@@ -245,7 +245,6 @@ class NativeEngine(_Base):
             tier=tier,
             record_calls=config.record_trace,
             device_resolve=config.device_resolve,
-            drop_copied=config.drop_copied,
         )
         stats.native.append(self.cache)
         stats.native_layers[layer.layer] = self.cache

@@ -131,11 +131,10 @@ def expert_cache(
     tier: object | None = None,
     record_calls: bool = False,
     device_resolve: bool = True,
-    drop_copied: bool = False,
 ) -> object:
     """The native cache of one MoE layer over its evaluated slot arrays;
     `record_calls` keeps each call's counts (RuntimeStats.events);
-    `device_resolve`, `drop_copied`: RuntimeConfig's."""
+    `device_resolve`: RuntimeConfig's."""
     require()
     segments = [
         (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
@@ -158,7 +157,6 @@ def expert_cache(
         record_calls=record_calls,
     )
     cache.device_resolve = device_resolve
-    cache.drop_copied = drop_copied
     cache.bind(slots, mx.default_device() != mx.cpu)
     if tier is not None:
         cache.attach(tier)
