@@ -17,14 +17,15 @@ namespace moestream {
 
 namespace {
 
-// Eight floats: one output row's running sum in each lane. Built with
-// -ffp-contract=off (CMakeLists.txt): a multiply and an add stay two roundings,
-// as in MLX's scalar loop.
-using V8 = float __attribute__((vector_size(32)));
-using U8 = uint32_t __attribute__((vector_size(32)));
-using I8 = int32_t __attribute__((vector_size(32)));
-constexpr int kLanes = 8;
-constexpr int kRows = 2 * kLanes; // of one rows16 call
+// Sixteen floats: one output row's running sum in each lane (one AVX-512
+// vector where the CPU has it, else two or four narrower ones: the same
+// lanes, the same arithmetic). Built with -ffp-contract=off (CMakeLists.txt):
+// a multiply and an add stay two roundings, as in MLX's scalar loop.
+using VF = float __attribute__((vector_size(64)));
+using VU = uint32_t __attribute__((vector_size(64)));
+using VI = int32_t __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int kRows = 2 * kLanes; // of one rows_block call
 
 // Threads that wait for work; the caller takes tasks too.
 class Pool {
@@ -107,20 +108,20 @@ struct Matrix {
 
 // Value I of a 32-value chunk in every lane, dequantized, times x, added.
 template <int bits, int I>
-inline V8 step(V8 acc, const U8* w, V8 scale, V8 bias, float x) {
+inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
   constexpr int off = I * bits, word = off / 32, shift = off % 32;
   constexpr uint32_t mask = (1u << bits) - 1;
-  U8 q = w[word] >> shift;
+  VU q = w[word] >> shift;
   if constexpr (shift + bits > 32) {
     q |= w[word + 1] << (32 - shift);
   }
-  V8 d = __builtin_convertvector(I8(q & mask), V8) * scale + bias;
+  VF d = __builtin_convertvector(VI(q & mask), VF) * scale + bias;
   return acc + x * d;
 }
 
 
-// Ask for every line of rows [r0, r0 + 16) (the next call's): the rows are
-// short, and sixteen of them at once defeat the hardware prefetcher.
+// Ask for every line of rows [r0, r0 + kRows) (the next call's): the rows
+// are short, and this many at once defeat the hardware prefetcher.
 inline void prefetch_block(const Matrix& m, int64_t r0) {
   int64_t r1 = std::min(r0 + kRows, m.rows);
   if (r0 >= r1) {
@@ -136,14 +137,14 @@ inline void prefetch_block(const Matrix& m, int64_t r0) {
   }
 }
 
-// Rows [r0, r0 + 16) of m @ x, each lane's sum in MLX's _qmm_t order:
-// sum += x[k] * (scale * q + bias), k ascending. Two vectors of eight rows,
+// Rows [r0, r0 + kRows) of m @ x, each lane's sum in MLX's _qmm_t order:
+// sum += x[k] * (scale * q + bias), k ascending. Two vectors of kLanes rows,
 // so two sums are in flight. Lane j unpacks its row's words: a chunk of 32
 // values is `bits` words of each row, value i at bit i * bits (LSB first, as
 // MLX's byte-wise unpacking reads it). Rows past the end repeat the last row
 // and are not stored.
 template <int bits>
-void rows16(const Matrix& m, int64_t r0, const float* x, float* out) {
+void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
   constexpr int n = kRows;
   const uint32_t* row[n];
   const float *sc[n], *bi[n];
@@ -155,9 +156,9 @@ void rows16(const Matrix& m, int64_t r0, const float* x, float* out) {
   }
   const int chunks = m.group_size / 32;
   prefetch_block(m, r0 + n);
-  V8 acc0 = {0, 0, 0, 0, 0, 0, 0, 0}, acc1 = acc0;
+  VF acc0 = {}, acc1 = acc0;
   for (int64_t g = 0; g < m.groups; g++) {
-    V8 s0, s1, b0, b1;
+    VF s0, s1, b0, b1;
     for (int j = 0; j < kLanes; j++) {
       s0[j] = sc[j][g];
       b0[j] = bi[j][g];
@@ -166,7 +167,7 @@ void rows16(const Matrix& m, int64_t r0, const float* x, float* out) {
     }
     for (int c = 0; c < chunks; c++) {
       int64_t word = (g * chunks + c) * bits;
-      U8 w0[bits], w1[bits];
+      VU w0[bits], w1[bits];
       for (int b = 0; b < bits; b++) {
         for (int j = 0; j < kLanes; j++) {
           w0[b][j] = row[j][word + b];
@@ -195,12 +196,12 @@ using RowsFn = void (*)(const Matrix&, int64_t, const float*, float*);
 
 RowsFn rows_fn(int bits) {
   switch (bits) {
-    case 2: return rows16<2>;
-    case 3: return rows16<3>;
-    case 4: return rows16<4>;
-    case 5: return rows16<5>;
-    case 6: return rows16<6>;
-    case 8: return rows16<8>;
+    case 2: return rows_block<2>;
+    case 3: return rows_block<3>;
+    case 4: return rows_block<4>;
+    case 5: return rows_block<5>;
+    case 6: return rows_block<6>;
+    case 8: return rows_block<8>;
   }
   throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
 }

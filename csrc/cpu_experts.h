@@ -1,7 +1,7 @@
 // An exact CPU kernel for quantized expert MLPs and quantized matmuls:
 // MLX's CPU arithmetic (mlx/backend/cpu/quantized.cpp `_qmm_t`, the path a
 // Linux build takes: simd::max_size<float> is 1 there) bit for bit, with
-// eight output rows in the lanes of a vector and rows split over threads.
+// sixteen output rows in the lanes of a vector and rows split over threads.
 // Every output's sum runs over the reduction in MLX's order.
 #pragma once
 
