@@ -241,19 +241,18 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
       kMinPiece, (record_nbytes + readers - 1) / std::max(readers, 1));
   piece = (piece + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
   int pieces = int((record_nbytes + piece - 1) / piece);
+  auto length = [&](int i) { return std::min(piece, record_nbytes - i * piece); };
   std::vector<uint32_t> crcs(pieces, 0);
   parallel_reads(pieces, readers, [&](int i) {
-    int64_t begin = i * piece, end = std::min(record_nbytes, begin + piece);
-    read_range(expert, dst, begin, end);
+    read_range(expert, dst, i * piece, i * piece + length(i));
     if (check) {
-      crcs[i] = crc32(dst + begin, end - begin);
+      crcs[i] = crc32(dst + i * piece, length(i));
     }
   });
   if (check) {
     uint32_t crc = crcs[0];
     for (int i = 1; i < pieces; i++) {
-      crc = crc32_combine(
-          crc, crcs[i], std::min(record_nbytes, (i + 1) * piece) - i * piece);
+      crc = crc32_combine(crc, crcs[i], length(i));
     }
     if (crc != checksums_[expert]) {
       throw ReadError(

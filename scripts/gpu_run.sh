@@ -8,7 +8,7 @@
 #   bash scripts/gpu_run.sh tests ARGS    pytest -m device tests/test_device.py ARGS
 #   bash scripts/gpu_run.sh llama         llama-bench's CUDA build (sm_90) from the
 #                                         packed source in build/ (moestream bench
-#                                         llama-cpp pack), with no MLX needed yet:
+#                                         llama-cpp pack), after MLX is staged:
 #                                         build/llama.cpp-cuda/bin/llama-bench
 #   bash scripts/gpu_run.sh gguf DIR OUT Q  DIR's weights as GGUF (q4_0 or q4_1)
 # Python runs this checkout's moestream (PYTHONPATH), on the image's python3.
@@ -38,20 +38,9 @@ case "$step" in
     python3 -m pytest -q -p no:cacheprovider -p no:xdist -m device tests/test_device.py "$@"
     ;;
   llama)
-    # The flags of moestream/bench/llama_cpp.py's "cuda" variant and COMMON_FLAGS.
-    start=$(date +%s)
+    # `bench llama-cpp build --cuda` unpacks the packed source carried in build/.
     export PATH="/usr/local/cuda/bin:$PATH"
-    src=/tmp/llama.cpp-src tree=/tmp/llama.cpp-cuda  # outside the synced tree
-    if [ ! -f "$src/CMakeLists.txt" ]; then
-      mkdir -p "$src" && tar -xzf build/llama.cpp-*-src.tar.gz -C "$src"
-    fi
-    cmake -S "$src" -B "$tree" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-      -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
-      -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >build/llama-cuda.log 2>&1
-    cmake --build "$tree" --target llama-bench -j "${JOBS:-12}" >>build/llama-cuda.log 2>&1
-    mkdir -p build/llama.cpp-cuda/bin && cp "$tree/bin/llama-bench" build/llama.cpp-cuda/bin/
-    echo "llama-bench (CUDA) built in $(($(date +%s) - start)) s"
+    python3 -m moestream bench llama-cpp build --cuda --jobs "${JOBS:-12}"
     ;;
   gguf)
     python3 -m moestream bench llama-cpp gguf "${1:?DIR}" "${2:?OUT}" --quant "${3:-q4_0}"

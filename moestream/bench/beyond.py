@@ -44,9 +44,8 @@ class BeyondConfig:
     floor: int = FLOOR  # MemAvailable the balloon holds the machine at
     llama_extra: tuple[str, ...] = ()
     ngl: int | None = None  # llama.cpp -ngl (its CUDA build)
-    n_cpu_moe: int | None = (
-        None  # llama.cpp -ncmoe: layers whose experts stay on the CPU
-    )
+    # llama.cpp -ncmoe: layers whose experts stay on the CPU
+    n_cpu_moe: int | None = None
     runtime_fields: tuple[tuple[str, dict], ...] = ()  # --compare variants
 
 

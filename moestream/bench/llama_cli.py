@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import click
 
@@ -12,6 +14,7 @@ from ..options import CONTEXT, common_options
 from ..units import human_bytes
 
 BUILD = Path("build")
+F = TypeVar("F", bound=Callable)
 
 
 @click.group(context_settings=CONTEXT)
@@ -108,6 +111,29 @@ def _gguf_option(text: str) -> tuple[str, Path]:
     return label, Path(path)
 
 
+def _built(build_dir: Path, cuda: bool) -> Path:
+    """llama-bench of that variant, or an error that says how to build it."""
+    from .llama_cpp import binary
+
+    exe = binary(build_dir, "cuda" if cuda else "cpu")
+    if not exe.is_file():
+        raise FileNotFoundError(
+            f"{exe} is missing; run `moestream bench llama-cpp build"
+            + (" --cuda`." if cuda else "`.")
+        )
+    return exe
+
+
+def _llama_gpu_options(fn: F) -> F:
+    """--cuda and --ngl, as compare and beyond-ram both take them."""
+    fn = click.option(
+        "--ngl", type=int, default=None, help="llama.cpp -ngl (layers on the GPU)."
+    )(fn)
+    return click.option(
+        "--cuda", is_flag=True, help="Run the CUDA build of llama-bench."
+    )(fn)
+
+
 @llama_group.command("compare", context_settings=CONTEXT)
 @click.argument("model", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option(
@@ -128,9 +154,7 @@ def _gguf_option(text: str) -> tuple[str, Path]:
 )
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--threads", default=2, show_default=True, help="llama.cpp threads.")
-@click.option(
-    "--ngl", type=int, default=None, help="llama.cpp -ngl (layers on the GPU)."
-)
+@_llama_gpu_options
 @click.option(
     "--n-cpu-moe",
     type=int,
@@ -146,7 +170,6 @@ def _gguf_option(text: str) -> tuple[str, Path]:
     multiple=True,
     help="More llama-bench arguments, one per option, e.g. --llama-arg=--repack.",
 )
-@click.option("--cuda", is_flag=True, help="Run the CUDA build of llama-bench.")
 @click.option(
     "--no-resident", is_flag=True, help="No mlx-lm row (a model larger than RAM)."
 )
@@ -177,15 +200,10 @@ def compare_cmd(
     import json
 
     from .cli import _floats
-    from .llama_cpp import binary
     from .peer import PeerConfig, main
 
     def run() -> None:
-        exe = binary(build_dir, "cuda" if cuda else "cpu")
-        if not exe.is_file():
-            raise FileNotFoundError(
-                f"{exe} is missing; run `moestream bench llama-cpp build` first."
-            )
+        exe = _built(build_dir, cuda)
         layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
         cfg = PeerConfig(
             out=model,
@@ -234,10 +252,7 @@ def compare_cmd(
     help="More moestream rows with these RuntimeConfig fields (repeatable).",
 )
 @click.option("--llama-arg", "llama_args", multiple=True, help="More llama-bench args.")
-@click.option("--cuda", is_flag=True, help="Run the CUDA build of llama-bench.")
-@click.option(
-    "--ngl", type=int, default=None, help="llama.cpp -ngl (layers on the GPU)."
-)
+@_llama_gpu_options
 @click.option("--n-cpu-moe", type=int, default=None, help="llama.cpp -ncmoe N.")
 @click.option(
     "--build-dir", type=click.Path(path_type=Path), default=BUILD, show_default=True
@@ -265,15 +280,9 @@ def beyond_cmd(
     from ..units import parse_size
     from .beyond import BeyondConfig, main
     from .cli import _floats, parse_compare
-    from .llama_cpp import binary
 
     def run() -> None:
-        exe = binary(build_dir, "cuda" if cuda else "cpu")
-        if not exe.is_file():
-            raise FileNotFoundError(
-                f"{exe} is missing; run `moestream bench llama-cpp build"
-                + (" --cuda`." if cuda else "`.")
-            )
+        exe = _built(build_dir, cuda)
         cfg = BeyondConfig(
             out=model,
             gguf=gguf,
