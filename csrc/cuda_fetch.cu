@@ -1,7 +1,6 @@
 // The CUDA side of ExpertFetch: stream-ordered steps per MoE call, all inside
 // MLX's CUDA graph, so Python never waits on the router.
-// The reference path (RuntimeConfig.device_resolve=False, and wherever a
-// layer reads ahead into the host tier):
+// The reference path (RuntimeConfig.device_resolve=False):
 //   1. a kernel copies the routed ids into pinned host memory (zero copy);
 //   2. a host function resolves slots and has the misses read into the pinned
 //      host tier (host_tier.h), by its reader threads in parallel, unless the
@@ -14,8 +13,11 @@
 // hits and tier hits need no host at all; for records the tier lacks, the
 // kernel posts (record, tier slot) to a pinned mailbox and spins until the
 // tier's service thread has had them read (GPU-initiated reads; nothing it
-// waits for is queued on the stream). Step 3 follows. The host's copies are
-// brought back (gpu_sync_host) before a host-side load uses them.
+// waits for is queued on the stream). Step 3 follows. A chained layer's
+// kernel then reads the next layer's predicted records ahead into the tier
+// (posted to a pinned ring; the device waits on a slot's read only when a
+// call uses it). The host's copies are brought back (gpu_sync_host) before a
+// host-side load uses them.
 #include <cuda.h>
 #include <cuda/atomic>
 #include <cuda_runtime.h>
@@ -94,9 +96,16 @@ struct DevTable {
   int* free_stack; // capacity
   int* free_n; // 1
   int64_t* clock; // 1
-  int64_t* counts; // hits, misses, evictions so far (device)
+  int64_t* counts; // NCOUNTS so far (device): see Count
   Plan* plan; // the copies of the call in flight (device)
+  // Read ahead for this layer by the layer before, since its last call
+  // (ExpertCache::prefetched_): written by that layer's kernel.
+  unsigned char* prefetched; // num_experts
 };
+
+// A layer's counts on the device, in Counters' terms.
+enum Count { Hits, Misses, Evictions, Prefetched, PrefetchedUsed,
+             MissesPrefetched, NCOUNTS };
 
 // The host tier's table on the device, as HostTier keeps it: key -> tier
 // slot, slot -> key, last use (LRU stamps), the call that holds a slot, the
@@ -110,8 +119,24 @@ struct DevTier {
   int* free_n;
   int64_t* clock;
   int64_t* epoch;
-  int64_t* counts; // hits, misses, evictions so far (device)
+  int64_t* counts; // hits, misses, evictions, late so far (device)
+  // Read ahead on the device: 1 while the slot's read may be in flight, 2
+  // once it failed (the host's word is in `state`); `loading` of them at 1.
+  unsigned char* ahead; // capacity
+  int* loading; // 1
+  int* state; // pinned, capacity: 1 reading, 0 read, 2 failed (the host's)
   int capacity;
+};
+
+// Reads ahead posted by kernels for the service thread (pinned, mapped): a
+// ring of `capacity` entries; `head` counts the entries written so far.
+struct AheadEntry {
+  ExpertCache* cache; // the layer the record is for (kept alive by its chain)
+  int expert, slot;
+};
+struct AheadRing {
+  int64_t head;
+  AheadEntry entries[1];
 };
 
 // Records the tier lacks, posted by a kernel for the tier's service thread
@@ -127,7 +152,7 @@ struct Mailbox {
 
 // What the host learns from the device: counts so far and an error flag.
 struct DevReport {
-  int64_t counts[3];
+  int64_t counts[NCOUNTS];
   int error; // 1: id out of range; 2: more experts than slots; 3: a read
              // failed (the host set its words); 4: no tier slot to evict
 };
@@ -139,9 +164,12 @@ struct TierGpu {
   uint8_t* table_memory{nullptr};
   DevTier table{};
   Mailbox* box{nullptr}; // pinned
-  int64_t* report{nullptr}; // pinned: hits, misses, evictions so far
-  int64_t taken[3]{};
+  AheadRing* ring{nullptr}; // pinned
+  int64_t* report{nullptr}; // pinned: hits, misses, evictions, late so far
+  int64_t taken[4]{};
   int64_t served{0}; // the service thread's: the last request it served
+  std::atomic<int64_t> ring_taken{0}; // ring entries the service submitted
+  std::atomic<int64_t> ahead_pending{0}; // reads ahead not finished
   bool device_owned{false}; // the device's table is the current one
   ~TierGpu();
 };
@@ -159,7 +187,7 @@ struct GpuState {
   uint8_t* table_memory{nullptr}; // device: every array of `table`
   DevTable table{};
   DevReport* report{nullptr}; // pinned
-  int64_t taken[3]{}; // report counts already folded into the counters
+  int64_t taken[NCOUNTS]{}; // report counts already folded into the counters
   std::mutex records_mutex;
   std::deque<std::pair<int64_t, DevRecord*>> pending; // recording, in order
   std::vector<DevRecord*> spare;
@@ -214,6 +242,18 @@ struct ResolveArgs {
   DevReport* report;
   int64_t* tier_report;
   DevRecord* record;
+  // Read ahead (the layer is chained): the next layer's predicted experts,
+  // its table, counts and report, its first tier key, its cache; null
+  // `next_slot_of` when none.
+  const uint32_t* pred;
+  int npred;
+  const int* next_slot_of;
+  unsigned char* next_prefetched;
+  int64_t* next_counts;
+  DevReport* next_report;
+  int next_experts, next_base;
+  ExpertCache* next_cache;
+  AheadRing* ring;
 };
 
 __global__ void export_ids(
@@ -306,13 +346,13 @@ __device__ int lowest_slot(const DevTable& t, int capacity,
 }
 
 // The tier slot HostTier::victim evicts: the oldest stamp among slots that
-// hold a record not used by this call (-1 if none).
+// hold a record not used by this call nor being read ahead (-1 if none).
 __device__ int oldest_tier_slot(const DevTier& tt, int64_t epoch,
                                 int64_t* best_stamp, int* best_slot) {
   int64_t stamp = 0;
   int slot = -1;
   for (int s = threadIdx.x; s < tt.capacity; s += blockDim.x) {
-    if (tt.key_in[s] >= 0 && tt.held[s] != epoch &&
+    if (tt.key_in[s] >= 0 && tt.held[s] != epoch && tt.ahead[s] != 1 &&
         (slot < 0 || tt.stamp[s] < stamp)) {
       stamp = tt.stamp[s];
       slot = s;
@@ -339,13 +379,16 @@ __device__ int oldest_tier_slot(const DevTier& tt, int64_t epoch,
 }
 
 // Shared memory of one resolving call.
+constexpr int NSHARED = 16;
 struct Shared {
   double* best_score;
   int* best_slot;
   int* unique; // n
   int* missed; // n: the experts given a slot, in order
   int* count; // unique, hits, misses, evictions, planned, error, requests,
-              // failed reads, tier hits, tier misses, tier evictions
+              // failed reads, tier hits, tier misses, tier evictions,
+              // prefetched used, misses prefetched, tier late, read ahead,
+              // scratch (NSHARED)
   unsigned char* keep; // num_experts
 };
 
@@ -374,7 +417,7 @@ __device__ void resolve_slots(const ResolveArgs& a, Shared& m) {
       error = 2;
     }
     m.count[0] = error ? 0 : nu;
-    for (int k = 1; k < 11; k++) {
+    for (int k = 1; k < NSHARED; k++) {
       m.count[k] = 0;
     }
     m.count[5] = error;
@@ -386,6 +429,8 @@ __device__ void resolve_slots(const ResolveArgs& a, Shared& m) {
     if (t.slot_of[e] >= 0) { // every thread reads the same: no divergence
       if (threadIdx.x == 0) {
         m.count[1] += 1;
+        m.count[11] += t.prefetched[e];
+        t.prefetched[e] = 0;
       }
       continue;
     }
@@ -406,6 +451,9 @@ __device__ void resolve_slots(const ResolveArgs& a, Shared& m) {
       t.expert_in[v] = e;
       t.slot_of[e] = v;
       m.count[2] += 1;
+      m.count[11] += t.prefetched[e]; // ExpertCache::resolve's counts
+      m.count[12] += t.prefetched[e];
+      t.prefetched[e] = 0;
       int j = m.count[4]++;
       m.missed[j] = e;
       t.plan->entries[j] = v;
@@ -414,9 +462,102 @@ __device__ void resolve_slots(const ResolveArgs& a, Shared& m) {
   }
 }
 
+// The host's word on a slot read ahead: 1 while reading, 0 read, 2 failed.
+__device__ int ahead_state(const DevTier& tt, int s) {
+  return cuda::atomic_ref<int, cuda::thread_scope_system>(tt.state[s]).load(
+      cuda::memory_order_acquire);
+}
+
+// Every thread: the reads ahead that have finished since the last call.
+__device__ void refresh_ahead(const DevTier& tt) {
+  int done = 0;
+  for (int s = threadIdx.x; s < tt.capacity; s += blockDim.x) {
+    if (tt.ahead[s] == 1) {
+      int v = ahead_state(tt, s);
+      if (v != 1) {
+        tt.ahead[s] = v == 2 ? 2 : 0;
+        done += 1;
+      }
+    }
+  }
+  if (done) {
+    atomicSub(tt.loading, done);
+  }
+  __syncthreads();
+}
+
+// Thread 0: wait for the read ahead into slot `s`; 0 it was read, 1 it was
+// still reading (HostTier's `late`), 2 it failed (read it again).
+__device__ int settle_ahead(const DevTier& tt, int s) {
+  if (tt.ahead[s] == 2) {
+    tt.ahead[s] = 0;
+    return 2;
+  }
+  int v = ahead_state(tt, s);
+  int late = v == 1;
+  while (v == 1) {
+    __nanosleep(500);
+    v = ahead_state(tt, s);
+  }
+  tt.ahead[s] = 0;
+  *tt.loading -= 1;
+  return v == 2 ? 2 : late;
+}
+
+// Thread 0: wait until no read ahead is in flight (HostTier::victim waits
+// for one when every other slot is held).
+__device__ void wait_ahead(const DevTier& tt) {
+  for (int s = 0; s < tt.capacity; s++) {
+    if (tt.ahead[s] == 1) {
+      int v = ahead_state(tt, s);
+      while (v == 1) {
+        __nanosleep(500);
+        v = ahead_state(tt, s);
+      }
+      tt.ahead[s] = v == 2 ? 2 : 0;
+      *tt.loading -= 1;
+    }
+  }
+}
+
+// A tier slot for a record the tier lacks: a free one, else the oldest not
+// held by this call nor being read ahead; with `wait`, once the reads ahead
+// are done if every such slot is being read (-1: none).
+__device__ int tier_victim(const DevTier& tt, Shared& m, int64_t epoch,
+                           bool wait) {
+  int free_n = *tt.free_n;
+  if (free_n > 0) {
+    return tt.free_stack[free_n - 1];
+  }
+  auto* scores = reinterpret_cast<int64_t*>(m.best_score);
+  int s = oldest_tier_slot(tt, epoch, scores, m.best_slot);
+  if (s < 0 && wait) {
+    if (threadIdx.x == 0) {
+      wait_ahead(tt);
+    }
+    __syncthreads();
+    s = oldest_tier_slot(tt, epoch, scores, m.best_slot);
+  }
+  return s;
+}
+
+// Thread 0: slot `s` (from tier_victim) now holds `key` (HostTier::claim).
+__device__ void claim_tier_slot(const DevTier& tt, Shared& m, int s, int key,
+                                int free_n) {
+  if (free_n > 0) {
+    *tt.free_n = free_n - 1;
+  } else {
+    tt.slot_of[tt.key_in[s]] = -1;
+    m.count[10] += 1;
+  }
+  tt.key_in[s] = key;
+  tt.slot_of[key] = s;
+  tt.ahead[s] = 0;
+}
+
 // Each miss's record in the tier (HostTier::request): a tier hit is used
-// again; a record the tier lacks gets a free slot or the oldest one not held
-// by this call, and goes in the mailbox to be read.
+// again (once its read ahead, if any, is done); a record the tier lacks, or
+// whose read ahead failed, gets a slot and goes in the mailbox to be read.
 __device__ void resolve_tier(const ResolveArgs& a, Shared& m, int64_t epoch) {
   const DevTier& tt = a.tt;
   volatile int* expert = a.box->entries;
@@ -426,33 +567,35 @@ __device__ void resolve_tier(const ResolveArgs& a, Shared& m, int64_t epoch) {
   for (int j = 0; j < nm; j++) {
     int key = a.base + m.missed[j];
     int s = tt.slot_of[key];
+    int ahead = s >= 0 ? tt.ahead[s] : 0;
+    __syncthreads(); // every thread has read before thread 0 writes
+    if (ahead) {
+      if (threadIdx.x == 0) {
+        m.count[15] = settle_ahead(tt, s);
+      }
+      __syncthreads();
+      ahead = m.count[15];
+    }
+    bool read = s < 0 || ahead == 2;
     if (s < 0) {
       int free_n = *tt.free_n;
-      s = free_n > 0 ? tt.free_stack[free_n - 1]
-                     : oldest_tier_slot(tt, epoch,
-                                        reinterpret_cast<int64_t*>(m.best_score),
-                                        m.best_slot);
+      s = tier_victim(tt, m, epoch, true);
       __syncthreads();
       if (threadIdx.x == 0 && s < 0) {
         m.count[5] = 4;
       } else if (threadIdx.x == 0) {
-        if (free_n > 0) {
-          *tt.free_n = free_n - 1;
-        } else {
-          tt.slot_of[tt.key_in[s]] = -1;
-          m.count[10] += 1;
-        }
-        tt.key_in[s] = key;
-        tt.slot_of[key] = s;
+        claim_tier_slot(tt, m, s, key, free_n);
+      }
+    }
+    if (threadIdx.x == 0 && s >= 0) {
+      if (read) {
         int r = m.count[6]++;
         expert[r] = m.missed[j];
         slot[r] = s;
         m.count[9] += 1;
+      } else {
+        m.count[ahead == 1 ? 13 : 8] += 1;
       }
-    } else if (threadIdx.x == 0) {
-      m.count[8] += 1;
-    }
-    if (threadIdx.x == 0 && s >= 0) {
       tt.stamp[s] = ++clock;
       tt.held[s] = epoch;
       a.t.plan->entries[a.max_stage + j] = s;
@@ -464,6 +607,56 @@ __device__ void resolve_tier(const ResolveArgs& a, Shared& m, int64_t epoch) {
   }
   if (threadIdx.x == 0) {
     *tt.clock = clock;
+  }
+}
+
+// After a call that succeeded: the next layer's predicted experts that are
+// in neither its slots nor the tier are read into the tier ahead of its call
+// (ExpertCache::hint through HostTier::read_ahead: at most half the tier
+// reading, never a slot held by this call or still being read). Posted to
+// the ring for the service thread; nothing here waits for them.
+__device__ void read_ahead_next(const ResolveArgs& a, Shared& m,
+                                int64_t epoch) {
+  const DevTier& tt = a.tt;
+  int64_t clock = *tt.clock; // thread 0's
+  for (int i = 0; i < a.npred; i++) {
+    uint32_t e = a.pred[i];
+    if (e >= uint32_t(a.next_experts) || a.next_slot_of[e] >= 0 ||
+        a.next_prefetched[e]) {
+      continue; // every thread reads the same: no divergence
+    }
+    int key = a.next_base + int(e);
+    if (tt.slot_of[key] >= 0 || 2 * *tt.loading >= tt.capacity) {
+      continue;
+    }
+    int free_n = *tt.free_n;
+    int s = tier_victim(tt, m, epoch, false);
+    __syncthreads();
+    if (threadIdx.x == 0 && s >= 0) {
+      claim_tier_slot(tt, m, s, key, free_n);
+      tt.stamp[s] = ++clock;
+      tt.ahead[s] = 1;
+      *tt.loading += 1;
+      cuda::atomic_ref<int, cuda::thread_scope_system>(tt.state[s]).store(
+          1, cuda::memory_order_relaxed);
+      AheadRing* ring = a.ring;
+      int64_t h = reinterpret_cast<volatile int64_t*>(&ring->head)[0];
+      AheadEntry* entry = &ring->entries[h % tt.capacity];
+      entry->cache = a.next_cache;
+      entry->expert = int(e);
+      entry->slot = s;
+      __threadfence_system();
+      cuda::atomic_ref<int64_t, cuda::thread_scope_system>(ring->head).store(
+          h + 1, cuda::memory_order_release);
+      a.next_prefetched[e] = 1;
+      m.count[14] += 1;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    *tt.clock = clock;
+    a.next_counts[Prefetched] += m.count[14];
+    a.next_report->counts[Prefetched] = a.next_counts[Prefetched];
   }
 }
 
@@ -544,10 +737,16 @@ __device__ void use_scores(const ResolveArgs& a, Shared& m) {
 // Thread 0: the plan's length, counts so far, the error, the call's record.
 __device__ void report_call(const ResolveArgs& a, Shared& m, bool failed) {
   a.t.plan->n = failed ? 0 : m.count[4];
-  for (int k = 0; k < 3; k++) {
-    a.t.counts[k] += m.count[1 + k];
+  a.t.counts[Hits] += m.count[1];
+  a.t.counts[Misses] += m.count[2];
+  a.t.counts[Evictions] += m.count[3];
+  a.t.counts[PrefetchedUsed] += m.count[11];
+  a.t.counts[MissesPrefetched] += m.count[12];
+  for (int k = 0; k < NCOUNTS; k++) {
     a.report->counts[k] = a.t.counts[k];
-    a.tt.counts[k] += m.count[8 + k];
+  }
+  for (int k = 0; k < 4; k++) { // hits, misses, evictions, late
+    a.tt.counts[k] += m.count[k < 3 ? 8 + k : 13];
     a.tier_report[k] = a.tt.counts[k];
   }
   int error = m.count[5] ? m.count[5] : (m.count[7] ? 3 : 0);
@@ -573,10 +772,11 @@ __global__ void resolve_on_device(ResolveArgs a) {
   m.unique = m.best_slot + blockDim.x;
   m.missed = m.unique + a.n;
   m.count = m.missed + a.n;
-  m.keep = reinterpret_cast<unsigned char*>(m.count + 12);
+  m.keep = reinterpret_cast<unsigned char*>(m.count + NSHARED);
   if (threadIdx.x == 0) {
     epoch = ++*a.tt.epoch; // HostTier::begin_call: earlier holds end
   }
+  refresh_ahead(a.tt);
   resolve_slots(a, m);
   resolve_tier(a, m, epoch);
   read_requests(a, m);
@@ -590,6 +790,9 @@ __global__ void resolve_on_device(ResolveArgs a) {
     use_scores(a, m);
   }
   __syncthreads();
+  if (!failed && a.next_slot_of) {
+    read_ahead_next(a, m, epoch);
+  }
   for (int i = threadIdx.x; i < a.n; i += blockDim.x) {
     uint32_t e = a.ids[i];
     a.out[i] = !failed && a.t.slot_of[e] >= 0 ? uint32_t(a.t.slot_of[e])
@@ -745,6 +948,8 @@ TierGpu::~TierGpu() {
   if (box) { // registered with the service
     service_unregister(this);
     cudaFreeHost(box);
+    cudaFreeHost(ring);
+    cudaFreeHost(table.state);
     cudaFreeHost(report);
   }
   cudaFree(table_memory);
@@ -754,8 +959,8 @@ TierGpu::~TierGpu() {
 // device, and the reads the device asks for.
 struct GpuAccess {
   // Whether this layer's calls resolve on the device, decided at its first
-  // call for good: the cache allows it and no layer of its tier reads ahead
-  // (the tier's first such decision holds for all its layers).
+  // call for good, as the cache asks (the tier's first such decision holds
+  // for all its layers).
   static bool device_mode(ExpertCache& c, GpuState& g) {
     if (g.device_mode < 0) {
       HostTier& t = *c.tier();
@@ -764,7 +969,7 @@ struct GpuAccess {
         t.gpu->tier = &t;
       }
       TierGpu& tg = *t.gpu;
-      bool on = c.device_resolve && !t.reads_ahead && !c.next();
+      bool on = c.device_resolve;
       if (tg.mode < 0) {
         if (on) {
           allocate_tier(tg);
@@ -793,22 +998,23 @@ struct GpuAccess {
 
   static void allocate(ExpertCache& c, GpuState& g) {
     int E = c.num_experts, C = c.capacity;
-    size_t bytes = sizeof(double) * E + sizeof(int64_t) * 4 +
+    size_t bytes = sizeof(double) * E + sizeof(int64_t) * (1 + NCOUNTS) +
         sizeof(int) * (2 * E + 2 * C + 1) + sizeof(int) * (2 * g.max_stage + 1) +
-        64;
+        E + 64;
     uint8_t* p = nullptr;
     check(cudaMalloc(&p, bytes), "cudaMalloc");
     g.table_memory = p;
     auto& t = g.table;
     t.score = take<double>(p, E);
     t.clock = take<int64_t>(p, 1);
-    t.counts = take<int64_t>(p, 3);
+    t.counts = take<int64_t>(p, NCOUNTS);
     t.slot_of = take<int>(p, E);
     t.expert_in = take<int>(p, C);
     t.free_stack = take<int>(p, C);
     t.free_n = take<int>(p, 1);
     t.plan = reinterpret_cast<Plan*>(take<int>(p, 2 * g.max_stage + 1));
-    check(cudaMemset(t.counts, 0, sizeof(int64_t) * 3), "cudaMemset");
+    t.prefetched = take<unsigned char>(p, E);
+    check(cudaMemset(t.counts, 0, sizeof(int64_t) * NCOUNTS), "cudaMemset");
     g.report = pinned<DevReport>(1);
     *g.report = DevReport{};
   }
@@ -816,8 +1022,8 @@ struct GpuAccess {
   static void allocate_tier(TierGpu& tg) {
     HostTier& h = *tg.tier;
     int64_t K = h.slot_of_.size(), C = h.capacity;
-    size_t bytes = sizeof(int) * (K + 2 * C + 1) + sizeof(int64_t) * (2 * C + 5) +
-        64;
+    size_t bytes = sizeof(int) * (K + 2 * C + 2) + sizeof(int64_t) * (2 * C + 6) +
+        C + 64;
     uint8_t* p = nullptr;
     check(cudaMalloc(&p, bytes), "cudaMalloc");
     check(cudaMemset(p, 0, bytes), "cudaMemset");
@@ -827,17 +1033,24 @@ struct GpuAccess {
     t.held = take<int64_t>(p, C);
     t.clock = take<int64_t>(p, 1);
     t.epoch = take<int64_t>(p, 1);
-    t.counts = take<int64_t>(p, 3);
+    t.counts = take<int64_t>(p, 4);
     t.slot_of = take<int>(p, K);
     t.key_in = take<int>(p, C);
     t.free_stack = take<int>(p, C);
     t.free_n = take<int>(p, 1);
+    t.loading = take<int>(p, 1);
+    t.ahead = take<unsigned char>(p, C);
     t.capacity = int(C);
+    t.state = pinned<int>(C);
+    std::fill(t.state, t.state + C, 0);
     tg.box = reinterpret_cast<Mailbox*>(
         pinned<uint8_t>(sizeof(Mailbox) + sizeof(int) * 3 * C));
     *tg.box = Mailbox{};
-    tg.report = pinned<int64_t>(3);
-    std::fill(tg.report, tg.report + 3, 0);
+    tg.ring = reinterpret_cast<AheadRing*>(
+        pinned<uint8_t>(sizeof(AheadRing) + sizeof(AheadEntry) * C));
+    tg.ring->head = 0;
+    tg.report = pinned<int64_t>(4);
+    std::fill(tg.report, tg.report + 4, 0);
     service_register(&tg);
   }
 
@@ -854,6 +1067,7 @@ struct GpuAccess {
     up(t.free_stack, free_stack.data(), sizeof(int) * C);
     up(t.free_n, &free_n, sizeof(int));
     up(t.clock, &c.clock_, sizeof(int64_t));
+    up(t.prefetched, c.prefetched_.data(), E);
     c.device_owned = true;
   }
 
@@ -877,6 +1091,7 @@ struct GpuAccess {
     down(free_stack.data(), t.free_stack, sizeof(int) * C);
     down(&free_n, t.free_n, sizeof(int));
     down(&c.clock_, t.clock, sizeof(int64_t));
+    down(c.prefetched_.data(), t.prefetched, E);
     c.free_.assign(free_stack.begin(), free_stack.begin() + free_n);
     c.device_owned = false;
   }
@@ -886,6 +1101,7 @@ struct GpuAccess {
   static void push_tier(TierGpu& tg) {
     HostTier& h = *tg.tier;
     h.drain();
+    wait_ahead_reads(tg);
     std::lock_guard<std::mutex> lock(h.mutex_);
     int64_t K = h.slot_of_.size(), C = h.capacity;
     std::vector<int> slot_of(K, -1), key_in(C, -1);
@@ -909,7 +1125,26 @@ struct GpuAccess {
     up(t.free_stack, free_stack.data(), sizeof(int) * C);
     up(t.free_n, &free_n, sizeof(int));
     up(t.clock, &h.clock_, sizeof(int64_t));
+    std::vector<unsigned char> ahead(C, 0);
+    int loading = 0;
+    up(t.ahead, ahead.data(), C);
+    up(t.loading, &loading, sizeof(int));
+    std::fill(t.state, t.state + C, 0);
     tg.device_owned = true;
+  }
+
+  // Until the service has submitted every read ahead the kernels posted and
+  // each has finished (the stream has run: no kernel posts more).
+  static void wait_ahead_reads(TierGpu& tg) {
+    if (!tg.ring) {
+      return;
+    }
+    while (std::atomic_ref<int64_t>(tg.ring->head).load(
+               std::memory_order_acquire) != tg.ring_taken.load() ||
+           tg.ahead_pending.load() > 0) {
+      service_busy();
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
   }
 
   // The device's tier table to the host, once every call on it has run.
@@ -918,8 +1153,11 @@ struct GpuAccess {
     auto& t = tg.table;
     int64_t K = h.slot_of_.size(), C = h.capacity;
     std::vector<int> slot_of(K), key_in(C), free_stack(C);
+    std::vector<unsigned char> ahead(C);
     int free_n = 0;
+    wait_ahead_reads(tg);
     std::lock_guard<std::mutex> lock(h.mutex_);
+    down(ahead.data(), t.ahead, C);
     down(slot_of.data(), t.slot_of, sizeof(int) * K);
     down(key_in.data(), t.key_in, sizeof(int) * C);
     down(h.stamp_.data(), t.stamp, sizeof(int64_t) * C);
@@ -929,7 +1167,11 @@ struct GpuAccess {
     h.slot_of_.assign(slot_of.begin(), slot_of.end());
     for (int64_t s = 0; s < C; s++) {
       h.key_in_[s] = key_in[s];
-      h.state_[s] = key_in[s] >= 0 ? HostTier::Ready : HostTier::Empty;
+      // A read ahead that failed: its next request reads it again.
+      bool failed = ahead[s] == 2 || (ahead[s] == 1 && t.state[s] == 2);
+      h.state_[s] = key_in[s] < 0 ? HostTier::Empty
+          : failed               ? HostTier::Failed
+                                 : HostTier::Ready;
       h.error_[s].clear();
       h.held_[s] = 0;
     }
@@ -986,16 +1228,55 @@ struct GpuAccess {
     tg.served = seq;
   }
 
+  // The reads ahead kernels posted since the last look, queued behind the
+  // routed reads on the tier's readers; each tells the device when it is
+  // done through the slot's pinned state word (0 read, 2 failed).
+  static void submit_ahead(TierGpu& tg) {
+    int64_t head = std::atomic_ref<int64_t>(tg.ring->head).load(
+        std::memory_order_acquire);
+    int64_t taken = tg.ring_taken.load();
+    if (head == taken) {
+      return;
+    }
+    auto tier = tg.tier->weak_from_this().lock(); // null while it goes
+    for (; taken < head; taken++) {
+      AheadEntry e = tg.ring->entries[taken % tg.table.capacity];
+      int* state = tg.table.state + e.slot;
+      auto cache = e.cache->weak_from_this().lock();
+      if (!tier || !cache) {
+        std::atomic_ref<int>(*state).store(2);
+        continue;
+      }
+      tg.ahead_pending += 1;
+      submit_read([tier, cache, e, state, gpu = tier->gpu] {
+        int result = 0;
+        try {
+          cache->read_record(e.expert, tier->data + e.slot * tier->record_bytes);
+        } catch (const std::exception&) {
+          result = 2; // routed later, it is read again and raises then
+        }
+        std::atomic_ref<int>(*state).store(result);
+        gpu->ahead_pending -= 1;
+      }, false, tier->readers_);
+    }
+    tg.ring_taken.store(taken);
+  }
+
   // Counts and records of the calls that have run, and the error flag.
   static void collect(ExpertCache& c, GpuState& g) {
-    int64_t now[3];
-    for (int k = 0; k < 3; k++) {
+    int64_t now[NCOUNTS], d[NCOUNTS];
+    for (int k = 0; k < NCOUNTS; k++) {
       now[k] = reinterpret_cast<volatile int64_t*>(g.report->counts)[k];
+      d[k] = now[k] - g.taken[k];
     }
-    c.counters.hits += now[0] - g.taken[0];
-    c.counters.misses += now[1] - g.taken[1];
-    c.counters.evictions += now[2] - g.taken[2];
-    std::copy(now, now + 3, g.taken);
+    c.counters.hits += d[Hits];
+    c.counters.misses += d[Misses];
+    c.counters.evictions += d[Evictions];
+    c.counters.prefetched += d[Prefetched];
+    c.counters.prefetch_bytes += d[Prefetched] * c.record_nbytes;
+    c.counters.prefetched_used += d[PrefetchedUsed];
+    c.counters.misses_prefetched += d[MissesPrefetched];
+    std::copy(now, now + NCOUNTS, g.taken);
     int error = reinterpret_cast<volatile int*>(&g.report->error)[0];
     if (error) {
       g.report->error = 0;
@@ -1028,14 +1309,15 @@ struct GpuAccess {
   // The tier's counts of the calls that have run.
   static void collect_tier(TierGpu& tg) {
     auto& k = tg.tier->counters;
-    int64_t now[3];
-    for (int i = 0; i < 3; i++) {
+    int64_t now[4];
+    for (int i = 0; i < 4; i++) {
       now[i] = reinterpret_cast<volatile int64_t*>(tg.report)[i];
     }
     k.hits += now[0] - tg.taken[0];
     k.misses += now[1] - tg.taken[1];
     k.evictions += now[2] - tg.taken[2];
-    std::copy(now, now + 3, tg.taken);
+    k.late += now[3] - tg.taken[3];
+    std::copy(now, now + 4, tg.taken);
   }
 
   // A pinned record for the call being encoded, marked not run.
@@ -1059,7 +1341,8 @@ struct GpuAccess {
   }
 
   static void encode(ExpertCache& c, GpuState& g, cu::CommandEncoder& enc,
-                     const mx::array& inds, mx::array& out, int64_t call) {
+                     const mx::array& inds, mx::array& out, int64_t call,
+                     const uint32_t* pred, int npred) {
     TierGpu& tg = *c.tier()->gpu;
     if (!tg.device_owned) {
       push_tier(tg); // a host-side load changed it, or the first call
@@ -1089,11 +1372,30 @@ struct GpuAccess {
     a.report = g.report;
     a.tier_report = tg.report;
     a.record = c.recording_ && call >= 0 ? record(g, call) : nullptr;
+    if (ExpertCache* next = c.next().get(); next && pred) {
+      GpuState& gn = gpu_state(*next); // its table, read ahead for here
+      if (!device_mode(*next, gn)) {
+        throw std::runtime_error("a chained layer does not resolve on the device");
+      }
+      if (!next->device_owned) {
+        push(*next, gn);
+      }
+      a.pred = pred;
+      a.npred = npred;
+      a.next_slot_of = gn.table.slot_of;
+      a.next_prefetched = gn.table.prefetched;
+      a.next_counts = gn.table.counts;
+      a.next_report = gn.report;
+      a.next_experts = next->num_experts;
+      a.next_base = int(next->tier_base());
+      a.next_cache = next;
+      a.ring = tg.ring;
+    }
     enc.set_input_array(inds);
     enc.set_output_array(out);
     int threads = 256;
     uint32_t smem = threads * (sizeof(double) + sizeof(int)) +
-        sizeof(int) * (2 * n + 12) + c.num_experts;
+        sizeof(int) * (2 * n + NSHARED) + c.num_experts;
     service_busy();
     enc.add_kernel_node_ex(kernels().resolve_on_device, dim3(1), dim3(threads),
                            dim3(), smem, a);
@@ -1110,6 +1412,9 @@ void service_loop_body(Service& sv) {
     if (sv.tiers.empty()) {
       sv.wake.wait(lock);
       return;
+    }
+    for (auto* tg : sv.tiers) {
+      GpuAccess::submit_ahead(*tg);
     }
     for (auto* tg : sv.tiers) {
       seq = std::atomic_ref<int64_t>(tg->box->posted).load(
@@ -1213,7 +1518,7 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
                            new CallArgs{&c, n, tokens, npred, call}),
         "cudaLaunchHostFunc");
   } else {
-    GpuAccess::encode(c, g, enc, inds, out, call);
+    GpuAccess::encode(c, g, enc, inds, out, call, pred, npred);
   }
   enc.set_input_array(out);
   enc.set_output_array(out);

@@ -89,14 +89,10 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void bind(std::vector<mx::array> slots, bool on_gpu);
   void chain(std::shared_ptr<ExpertCache> next) {
     next_ = std::move(next);
-    if (tier_) {
-      tier_->reads_ahead = true;
-    }
   }
   // Read misses through `tier` (its readers, in parallel) from now on.
   void attach(std::shared_ptr<HostTier> tier) {
     tier_base_ = tier->add_layer(num_experts);
-    tier->reads_ahead = tier->reads_ahead || next_;
     tier_ = std::move(tier);
   }
   HostTier* tier() const {
@@ -158,10 +154,10 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   bool on_gpu{false};
   std::vector<Segment> segments;
   std::shared_ptr<GpuState> gpu; // made by the first GPU fetch
-  // On a GPU, unless a layer of the host tier reads ahead into it: resolve
-  // each call's slots and tier records in a kernel, from copies of the slot
-  // table and the tier's table on the device, instead of in a host function
-  // of the stream; only records absent from the tier wait on the host.
+  // On a GPU: resolve each call's slots and tier records in a kernel, from
+  // copies of the slot table and the tier's table on the device, instead of
+  // in a host function of the stream; only records absent from the tier wait
+  // on the host, and a chained layer reads the next one's ahead from there.
   bool device_resolve{true};
   int64_t tier_base() const {
     return tier_base_;

@@ -65,9 +65,6 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   const bool pinned;
   uint8_t* data{nullptr};
   TierCounters counters;
-  // A layer of this tier reads ahead into it (ExpertCache::chain): then no
-  // layer of it resolves on the device (that tier's table stays the host's).
-  bool reads_ahead{false};
   // On a GPU whose kernels resolve the tier's records: its table there,
   // current when `gpu->device_owned` (cuda_fetch.cu); else null.
   std::shared_ptr<TierGpu> gpu;

@@ -41,12 +41,13 @@ class RuntimeConfig:
         trained routing, see README) or "lru" (the baseline replays compare to).
     prefetch: the native engine predicts the next layer's experts with its
         router applied to this layer's input and reads the missing ones ahead
-        (into the host tier, else as kernel readahead). None: on with the
-        native engine, unless the host tier holds every record (read at load,
-        so nothing is left to read ahead) or it is a GPU's with
-        device_resolve (a layer that reads ahead resolves in a host
-        function). The python engine measured 2-6 % slower with it, warm and
-        cold (README), and has none.
+        (into the host tier, else as kernel readahead; on a GPU with
+        device_resolve, the resolving kernel posts them to the host tier's
+        readers). None: on with the native engine, unless the host tier holds
+        every record (read at load, so nothing is left to read ahead) or it
+        is a GPU's with device_resolve (docs/gpu.md measures it there). The
+        python engine measured 2-6 % slower with it, warm and cold (README),
+        and has none.
     prefetch_extra: predict this many experts beyond the router's top-k: more
         recall for some wasted reads.
     whole_calls: a prefill that routes to more experts than slots runs each
@@ -71,12 +72,12 @@ class RuntimeConfig:
         page cache is the host tier there).
     readers: reader threads (shared by every loaded model) of the host tier
         and of record reads: one record's read is split into pieces over them.
-    device_resolve: the native engine on a GPU, unless a layer reads ahead
-        into the host tier: a kernel resolves each call's slots and host tier
-        records from the device's copies of the slot table and the tier's
-        table, so the CUDA stream waits on the host only for records the tier
-        lacks (posted to a host thread that has them read). False: a host
-        function in the stream resolves every call (the reference path).
+    device_resolve: the native engine on a GPU: a kernel resolves each
+        call's slots and host tier records from the device's copies of the
+        slot table and the tier's table, so the CUDA stream waits on the host
+        only for records the tier lacks (posted to a host thread that has
+        them read) or still being read ahead. False: a host function in the
+        stream resolves every call (the reference path).
     concurrency: sequences decoded at once (a server's batch): the KV cache and
         activations are sized for that many, and each layer needs at least
         min(experts, concurrency x top-k) slots, as a batch's decode step routes

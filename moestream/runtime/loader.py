@@ -245,8 +245,7 @@ def _start(
     full_tier = tier is not None and plan.host_records >= every
     # The native engine's read-ahead; by default none into a tier that holds
     # every record (read at load: nothing is left to read ahead), nor on a GPU
-    # whose kernels resolve the tier (a layer that reads ahead resolves in a
-    # host function per call instead; docs/gpu.md measures both).
+    # whose kernels resolve the tier unless asked (docs/gpu.md measures it).
     on_device = tier is not None and plan.host_pinned and cfg.device_resolve
     if cfg.prefetches and not ((full_tier or on_device) and cfg.prefetch is None):
         chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
