@@ -149,6 +149,15 @@ NB_MODULE(_native, m) {
           "(call, hits, misses, bytes_read, prefetched) of each call resolved "
           "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
+      .def("open_direct", &ExpertCache::open_direct,
+           "Read records with O_DIRECT from now on (RuntimeConfig.direct_io); "
+           "ValueError where the blob's filesystem refuses direct reads.")
+      .def_prop_ro("direct", &ExpertCache::direct)
+      .def_prop_ro(
+          "unaligned_reads",
+          [](ExpertCache& c) { return c.unaligned_reads.load(); },
+          "Ranges read through the page cache although direct, their "
+          "destination not block-aligned.")
       .def_rw("readers", &ExpertCache::readers,
               "Reader threads one record's read is split over (in pieces).")
       .def_rw("device_resolve", &ExpertCache::device_resolve,

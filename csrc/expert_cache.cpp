@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <deque>
 #include <stdexcept>
 #include <utility>
@@ -185,6 +188,9 @@ ExpertCache::~ExpertCache() {
   if (fd_ >= 0) {
     ::close(fd_);
   }
+  if (dfd_ >= 0) {
+    ::close(dfd_);
+  }
 }
 
 void ExpertCache::bind(std::vector<mx::array> s, bool gpu_slots) {
@@ -212,25 +218,104 @@ void ExpertCache::set_error(const std::string& e) {
   }
 }
 
-void ExpertCache::read_range(int expert, uint8_t* dst, int64_t begin,
-                             int64_t end) {
-  int64_t offset = data_offset_ + int64_t(expert) * stride_, done = begin;
-  while (done < end) {
-    ssize_t n = ::pread(fd_, dst + done, end - done, offset + done);
-    if (n < 0 && errno == EINTR) {
+int64_t ExpertCache::pread_full(int fd, uint8_t* dst, int64_t n,
+                                int64_t offset, bool direct) {
+  int64_t done = 0;
+  while (done < n) {
+    ssize_t got = ::pread(fd, dst + done, n - done, offset + done);
+    if (got < 0 && errno == EINTR) {
       continue;
     }
-    if (n <= 0) {
-      // The Python engine's words (ExpertReadError), so both read alike.
-      std::string where = "Cannot read expert " + std::to_string(expert) +
-          " of layer " + std::to_string(layer_) + " from " + path_;
-      throw ReadError(
-          n < 0 ? os_error(where)
-                : where + ": the record lies past the end of the file; "
-                          "convert again.");
+    if (got < 0) {
+      return -1;
     }
-    done += n;
+    done += got;
+    if (got == 0 || (direct && got % kDirectAlign)) { // the end of the file
+      break;
+    }
   }
+  return done;
+}
+
+void ExpertCache::read_failed(int expert, bool eof) {
+  // The Python engine's words (ExpertReadError), so both read alike.
+  std::string where = "Cannot read expert " + std::to_string(expert) +
+      " of layer " + std::to_string(layer_) + " from " + path_;
+  throw ReadError(
+      eof ? where + ": the record lies past the end of the file; "
+                    "convert again."
+          : os_error(where));
+}
+
+void ExpertCache::read_range(int expert, uint8_t* dst, int64_t begin,
+                             int64_t end) {
+  int64_t at = data_offset_ + int64_t(expert) * stride_ + begin;
+  int64_t n = end - begin;
+  uint8_t* out = dst + begin;
+  bool aligned = reinterpret_cast<uintptr_t>(out) % kDirectAlign == 0 &&
+      at % kDirectAlign == 0;
+  if (dfd_ >= 0 && !aligned) {
+    unaligned_reads += 1; // through the page cache instead
+  }
+  if (dfd_ < 0 || !aligned) {
+    int64_t got = pread_full(fd_, out, n, at, false);
+    if (got < n) {
+      read_failed(expert, got >= 0);
+    }
+    return;
+  }
+  // Direct: the whole blocks straight into `out`; a tail that does not fill
+  // a block through a bounce block, so nothing past `end` is written.
+  int64_t body = n / kDirectAlign * kDirectAlign, tail = n - body;
+  if (body) {
+    int64_t got = pread_full(dfd_, out, body, at, true);
+    if (got < body) {
+      read_failed(expert, got >= 0);
+    }
+  }
+  if (tail) {
+    thread_local std::unique_ptr<uint8_t, decltype(&std::free)> bounce(
+        static_cast<uint8_t*>(std::aligned_alloc(kDirectAlign, kDirectAlign)),
+        &std::free);
+    if (!bounce) {
+      throw std::bad_alloc();
+    }
+    int64_t got = pread_full(dfd_, bounce.get(), kDirectAlign, at + body, true);
+    if (got < tail) {
+      read_failed(expert, got >= 0);
+    }
+    std::memcpy(out + body, bounce.get(), tail);
+  }
+}
+
+void ExpertCache::open_direct() {
+  if (dfd_ >= 0) {
+    return;
+  }
+  auto refuse = [&](const std::string& what) {
+    return std::invalid_argument(
+        os_error("Cannot " + what + " " + path_ + " with O_DIRECT") +
+        "; its filesystem does not take direct reads: leave direct_io off.");
+  };
+  int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  if (fd < 0) {
+    throw refuse("open");
+  }
+  // Some filesystems take the flag at open and refuse the reads: read the
+  // header block once to know.
+  std::unique_ptr<uint8_t, decltype(&std::free)> block(
+      static_cast<uint8_t*>(std::aligned_alloc(kDirectAlign, kDirectAlign)),
+      &std::free);
+  if (!block) {
+    ::close(fd);
+    throw std::bad_alloc();
+  }
+  if (pread_full(fd, block.get(), kDirectAlign, 0, true) < 0) {
+    auto error = refuse("read");
+    ::close(fd);
+    throw error;
+  }
+  dfd_ = fd;
 }
 
 void ExpertCache::read_record(int expert, uint8_t* dst) {
@@ -268,14 +353,23 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
 void ExpertCache::staged(
     int expert,
     const std::function<void(const uint8_t*)>& use) {
+  // Block-aligned, so a direct read lands in it (read_range).
   static std::mutex mutex;
-  static std::vector<uint8_t> record;
+  static std::unique_ptr<uint8_t, decltype(&std::free)> record(nullptr,
+                                                               &std::free);
+  static int64_t size = 0;
   std::lock_guard<std::mutex> lock(mutex);
-  if (record.size() < size_t(record_nbytes)) {
-    record.resize(record_nbytes);
+  if (size < record_nbytes) {
+    int64_t bytes = (record_nbytes + kDirectAlign - 1) / kDirectAlign *
+        kDirectAlign;
+    record.reset(static_cast<uint8_t*>(std::aligned_alloc(kDirectAlign, bytes)));
+    size = record ? bytes : 0;
+    if (!record) {
+      throw std::bad_alloc();
+    }
   }
-  read_record(expert, record.data());
-  use(record.data());
+  read_record(expert, record.get());
+  use(record.get());
 }
 
 void ExpertCache::fill_host(const uint8_t* record, int slot) {
@@ -311,6 +405,8 @@ void ExpertCache::hint(const uint32_t* experts, int64_t n) {
       if (!tier_->read_ahead(shared_from_this(), tier_base_ + e, int(e))) {
         continue;
       }
+    } else if (dfd_ >= 0) {
+      continue; // kernel readahead fills a page cache direct reads skip
     } else {
       ::posix_fadvise(
           fd_, data_offset_ + int64_t(e) * stride_, record_nbytes,

@@ -124,6 +124,20 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // in pieces of at least kMinPiece bytes over `readers` reader threads.
   void read_record(int expert, uint8_t* dst);
   static constexpr int64_t kMinPiece = 256 << 10, kPieceAlign = 64 << 10;
+  // RuntimeConfig.direct_io: open the blob a second time with O_DIRECT and
+  // read records through it (bypassing the page cache). Throws one line
+  // naming the file where its filesystem refuses direct reads. Once, at load.
+  void open_direct();
+  bool direct() const {
+    return dfd_ >= 0;
+  }
+  // O_DIRECT needs the file offset, the length and the destination aligned
+  // to the device's logical block; 4 KiB covers every Linux block size.
+  static constexpr int64_t kDirectAlign = 4096;
+  // Ranges read through the buffered fd although direct_io is on, because
+  // their destination was not kDirectAlign-aligned (tests: none on the
+  // engine's paths).
+  std::atomic<int64_t> unaligned_reads{0};
   int readers{8}; // RuntimeConfig.readers
   // Copy a read record into slot memory on the host (CPU slots).
   void fill_host(const uint8_t* record, int slot);
@@ -178,11 +192,17 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   int victim(const std::vector<char>& keep);
   void drop(int expert);
   void read_range(int expert, uint8_t* dst, int64_t begin, int64_t end);
+  // pread until `n` bytes are read (or the file ends) through `fd`; the
+  // bytes read, or -1 on an error (errno set).
+  static int64_t pread_full(int fd, uint8_t* dst, int64_t n, int64_t offset,
+                            bool direct);
+  [[noreturn]] void read_failed(int expert, bool eof);
   void used(const std::vector<int>& experts, int tokens);
 
   friend struct GpuAccess; // cuda_fetch.cu: the table's device copy
 
   int fd_;
+  int dfd_{-1}; // O_DIRECT, when direct_io
   int64_t data_offset_, stride_;
   std::vector<uint32_t> checksums_;
   std::vector<char> verified_;

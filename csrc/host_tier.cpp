@@ -227,7 +227,10 @@ uint8_t* host_alloc(size_t bytes, bool pinned) {
   if (pinned) {
     return pinned_alloc(bytes);
   }
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+  // Block-aligned: records read with O_DIRECT land here (direct_io).
+  constexpr size_t align = ExpertCache::kDirectAlign;
+  auto* p = static_cast<uint8_t*>(
+      std::aligned_alloc(align, (bytes + align - 1) / align * align));
   if (!p) {
     throw std::bad_alloc();
   }

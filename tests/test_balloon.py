@@ -1,10 +1,16 @@
-"""The beyond-RAM bench's balloon: it holds memory, keeps the floor, and stops."""
+"""The beyond-RAM bench: its balloon holds memory, keeps the floor, and stops;
+its rows without llama.cpp; the uniform routing trace it can force."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 
 from moestream.bench.balloon import CHUNK, Balloon, available
+from moestream.bench.beyond import BeyondConfig, plan
+from moestream.bench.routes import load_trace, uniform_trace, write_trace
 
 
 def test_balloon_refuses_to_take_the_machine_under_its_floor():
@@ -22,3 +28,33 @@ def test_balloon_holds_memory_until_the_block_ends():
         assert available() < before - CHUNK
         proc = b._proc
     assert proc.poll() is not None  # stopped, its memory returned
+
+
+def test_beyond_ram_without_a_gguf_plans_moestream_rows_only(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_experts": 16, "num_experts_per_tok": 2})
+    )
+    cfg = BeyondConfig(
+        out=tmp_path,
+        gguf=None,
+        exe=None,
+        budgets=(25,),
+        runtime_fields=(("direct_io=true", {"direct_io": True}),),
+        trace=tmp_path / "t.npz",
+    )
+    rows = [(name, mode) for name, mode, _ in plan(cfg)]
+    assert rows == [
+        ("moestream 25 %", "cold"),
+        ("moestream 25 %", "warm"),
+        ("moestream 25 % direct_io=true", "cold"),
+        ("moestream 25 % direct_io=true", "warm"),
+    ]
+
+
+def test_a_uniform_trace_routes_to_distinct_experts(tmp_path):
+    ids = uniform_trace(layers=3, tokens=200, k=4, num_experts=16, seed=1)
+    write_trace(tmp_path / "u.npz", ids, meta={"geometry": {"num_experts": 16}})
+    trace = load_trace(tmp_path / "u.npz")  # checks distinct ids per token
+    assert (trace.layers, trace.tokens, trace.top_k) == (3, 200, 4)
+    counts = np.bincount(trace.ids.ravel(), minlength=16)
+    assert counts.min() > 0.7 * counts.mean()  # every expert, about as often

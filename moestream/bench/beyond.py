@@ -28,6 +28,7 @@ from ..formats.manifest import inside
 from .balloon import FLOOR, Balloon, available
 from .harness import DECODE_PROMPT_TOKENS, capacity_for, run_job
 from .llama_cpp import LlamaJob, run_llama_bench
+from .routes import check_geometry, load_trace
 from .sysio import direct_read_gbps
 from .worker import Job
 
@@ -35,8 +36,8 @@ from .worker import Job
 @dataclass(frozen=True)
 class BeyondConfig:
     out: Path
-    gguf: Path
-    exe: Path
+    gguf: Path | None  # None: moestream's rows only
+    exe: Path | None
     budgets: tuple[float, ...] = (25, 50)  # % of experts in slots
     decode_tokens: int = 128
     repeats: int = 1
@@ -47,6 +48,9 @@ class BeyondConfig:
     # llama.cpp -ncmoe: layers whose experts stay on the CPU
     n_cpu_moe: int | None = None
     runtime_fields: tuple[tuple[str, dict], ...] = ()  # --compare variants
+    # A routing trace (.npz) every moestream run's MoE blocks route by
+    # (routes.py; e.g. `uniform_trace`: routing that misses). Prefetch off.
+    trace: Path | None = None
 
 
 def measure_disk(out: Path) -> dict:
@@ -73,6 +77,7 @@ def moestream_job(cfg: BeyondConfig, pct: float, cold: bool, runtime: dict) -> J
         cold=cold,
         prompt_tokens=DECODE_PROMPT_TOKENS,
         decode_tokens=cfg.decode_tokens,
+        trace=str(cfg.trace) if cfg.trace else None,
     )
     return replace(job, runtime=replace(job.runtime, **runtime))
 
@@ -123,7 +128,7 @@ def plan(cfg: BeyondConfig) -> list[tuple[str, str, Callable[[], dict]]]:
             for cold in (True, False):
                 job = moestream_job(cfg, pct, cold, fields)
                 rows.append((name, "cold" if cold else "warm", lambda j=job: _moe(j)))
-    for cold in (True, False):
+    for cold in (True, False) if cfg.gguf else ():
         job = llama_job(cfg, cold)
         rows.append(
             ("llama.cpp mmap", "cold" if cold else "warm", lambda j=job: _llama(j))
@@ -132,6 +137,10 @@ def plan(cfg: BeyondConfig) -> list[tuple[str, str, Callable[[], dict]]]:
 
 
 def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> dict:
+    if cfg.trace:  # fail here in one line, not in every worker
+        config = json.loads((cfg.out / "config.json").read_text())
+        routes = load_trace(cfg.trace)
+        check_geometry(routes, config["num_experts"], config["num_experts_per_tok"])
     disk = measure_disk(cfg.out)
     progress(f"disk: {json.dumps(disk)}")
     # In RAM, without the balloon: moestream first, llama.cpp after the
@@ -154,7 +163,7 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
             for name, mode, run in plan(cfg):
                 record(name, mode, "balloon", run)
         held = balloon.held
-    for _ in range(cfg.repeats):
+    for _ in range(cfg.repeats if cfg.gguf else 0):
         record(*in_ram[1][:1], "warm", "in RAM", in_ram[1][1])
     return summarize(results, disk, held)
 

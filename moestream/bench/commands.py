@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -180,9 +181,34 @@ def trace_cmd(trace: str, capacities: str, lrfu_decay: float, as_json: bool) -> 
     user_errors(run)
 
 
+@click.command(context_settings=CONTEXT)
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("trace", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--tokens", default=1024, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@common_options
+def uniform_trace_cmd(out: Path, trace: Path, tokens: int, seed: int) -> None:
+    """Write a routing trace for OUT's geometry whose every token routes to k
+    experts drawn uniformly at random (routing that misses; `--trace` of
+    `bench run` and `bench beyond-ram`)."""
+    from ..formats import load_manifest
+    from .routes import uniform_trace, write_trace
+
+    def run() -> None:
+        manifest = load_manifest(out)
+        config = json.loads((out / "config.json").read_text())
+        n, k = manifest.layers[0].num_experts, config["num_experts_per_tok"]
+        ids = uniform_trace(len(manifest.layers), tokens, k, n, seed)
+        write_trace(trace, ids, meta={"geometry": {"num_experts": n}, "seed": seed})
+        click.echo(f"{trace}: {ids.shape[0]} layers x {tokens} tokens x {k} of {n}")
+
+    user_errors(run)
+
+
 bench_group.add_command(run_cmd, "run")
 bench_group.add_command(make_model_cmd, "make-model")
 bench_group.add_command(replay_cmd, "replay")
 bench_group.add_command(trace_cmd, "trace")
+bench_group.add_command(uniform_trace_cmd, "uniform-trace")
 bench_group.add_command(llama_group, "llama-cpp")
 bench_group.add_command(beyond_cmd, "beyond-ram")

@@ -230,11 +230,18 @@ def compare_cmd(
 @click.option(
     "--gguf",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    required=True,
-    help="The same weights as GGUF (`bench llama-cpp gguf`).",
+    default=None,
+    help="The same weights as GGUF (`bench llama-cpp gguf`); without it, "
+    "moestream's rows only.",
 )
 @click.option(
     "--budgets", default="25,50", show_default=True, help="moestream slots, %."
+)
+@click.option(
+    "--trace",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A routing trace (.npz) moestream's MoE blocks route by (prefetch off).",
 )
 @click.option("--tokens", default=128, show_default=True, help="Decode tokens per run.")
 @click.option("--repeats", default=1, show_default=True)
@@ -261,8 +268,9 @@ def compare_cmd(
 @common_options
 def beyond_cmd(
     model: Path,
-    gguf: Path,
+    gguf: Path | None,
     budgets: str,
+    trace: Path | None,
     tokens: int,
     repeats: int,
     threads: int,
@@ -282,11 +290,10 @@ def beyond_cmd(
     from .cli import _floats, parse_compare
 
     def run() -> None:
-        exe = _built(build_dir, cuda)
         cfg = BeyondConfig(
             out=model,
             gguf=gguf,
-            exe=exe,
+            exe=_built(build_dir, cuda) if gguf else None,
             budgets=_floats(budgets),
             decode_tokens=tokens,
             repeats=repeats,
@@ -296,6 +303,7 @@ def beyond_cmd(
             ngl=ngl,
             n_cpu_moe=n_cpu_moe,
             runtime_fields=tuple(parse_compare(c) for c in compare),
+            trace=trace,
         )
         main(cfg, as_json)
 

@@ -113,6 +113,17 @@ def _check(trace: RoutingTrace, name: str) -> None:
         raise ValueError(f"{name}: a token routes to the same expert twice.")
 
 
+def uniform_trace(
+    layers: int, tokens: int, k: int, num_experts: int, seed: int = 0
+) -> np.ndarray:
+    """ids [layers, tokens, k]: each token's k distinct experts drawn uniformly
+    at random, so no cache keeps what the next token needs (hit rate about
+    slots / experts): routing that misses, the disk's case."""
+    rng = np.random.default_rng(seed)
+    draws = rng.random((layers, tokens, num_experts), dtype=np.float32)
+    return np.argsort(draws, axis=-1)[..., :k]
+
+
 def write_trace(
     path: str | Path,
     ids: np.ndarray,

@@ -72,6 +72,14 @@ class RuntimeConfig:
         page cache is the host tier there).
     readers: reader threads (shared by every loaded model) of the host tier
         and of record reads: one record's read is split into pieces over them.
+    direct_io: the native engine reads expert records with O_DIRECT (Linux),
+        past the page cache, into block-aligned buffers (the staging record,
+        host tier records rounded up to 4 KiB). For a model larger than RAM,
+        where the page cache thrashes: docs/beyond-ram.md measures it. Off
+        keeps buffered reads, which a model whose blobs fit in the page cache
+        reads from memory. Without a host tier it also drops the prediction's
+        kernel readahead (it would fill a page cache nothing reads). A
+        filesystem that refuses O_DIRECT (tmpfs) is an error at load.
     device_resolve: the native engine on a GPU: a kernel resolves each
         call's slots and host tier records from the device's copies of the
         slot table and the tier's table, so the CUDA stream waits on the host
@@ -112,6 +120,7 @@ class RuntimeConfig:
     readers: int = 8
     concurrency: int = 1
     device_resolve: bool = True
+    direct_io: bool = False
     cpu_kernel: bool | None = None
     kernel_threads: int = 0
 
@@ -143,6 +152,12 @@ class RuntimeConfig:
             raise ValueError(
                 "The host tier belongs to the native engine; use engine='native' "
                 "or leave host_budget unset."
+            )
+        if self.direct_io and self.engine_used == "python":
+            raise ValueError(
+                "The python engine reads through the page cache; direct_io "
+                "belongs to the native engine: use engine='native' or leave "
+                "direct_io off."
             )
         for name, low, high in BOUNDS:
             value = getattr(self, name)

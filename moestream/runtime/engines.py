@@ -246,6 +246,7 @@ class NativeEngine(_Base):
             record_calls=config.record_trace,
             device_resolve=config.device_resolve,
             readers=config.readers,
+            direct_io=config.direct_io,
         )
         stats.native.append(self.cache)
         stats.native_layers[layer.layer] = self.cache

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 # mlx-lm's generate_step prefills in chunks of this many tokens.
 PREFILL_STEP = 2048
+# O_DIRECT's alignment of a destination (RuntimeConfig.direct_io): 4 KiB
+# covers every Linux block size (csrc ExpertCache::kDirectAlign).
+DIRECT_ALIGN = 4096
 # Kept free under a budget for malloc slack and fragmentation that no allocator
 # counter sees (measured: peak RSS ran 1-5 % over MLX's own peak plus process).
 RESERVE_BYTES = 32 << 20
@@ -247,7 +250,12 @@ def _start(
     # every record (read at load: nothing is left to read ahead), nor on a GPU
     # whose kernels resolve the tier unless asked (docs/gpu.md measures it).
     on_device = tier is not None and plan.host_pinned and cfg.device_resolve
-    if cfg.prefetches and not ((full_tier or on_device) and cfg.prefetch is None):
+    # Nor, with direct_io and no tier, as kernel readahead into a page cache
+    # that direct reads skip.
+    no_target = cfg.direct_io and tier is None
+    if cfg.prefetches and not (
+        (full_tier or on_device or no_target) and cfg.prefetch is None
+    ):
         chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
     native.use_dense_kernel(model, cfg)  # cpu_kernel: attention, router, lm_head
     mx.eval(model.parameters())
@@ -322,6 +330,8 @@ def plan_host_tier(
     if cfg.host_budget is None and not on_gpu:
         return plan
     record = max(layer.record_nbytes for layer in manifest.layers)
+    if cfg.direct_io:  # each record block-aligned, for O_DIRECT reads into it
+        record = -(-record // DIRECT_ALIGN) * DIRECT_ALIGN
     every = sum(layer.num_experts for layer in manifest.layers)
     if cfg.host_budget is None:
         budget = min(every * record, _available_memory() // 2)

@@ -132,10 +132,11 @@ def expert_cache(
     record_calls: bool = False,
     device_resolve: bool = True,
     readers: int = 8,
+    direct_io: bool = False,
 ) -> object:
     """The native cache of one MoE layer over its evaluated slot arrays;
     `record_calls` keeps each call's counts (RuntimeStats.events);
-    `device_resolve` and `readers`: RuntimeConfig's."""
+    `device_resolve`, `readers` and `direct_io`: RuntimeConfig's."""
     require()
     segments = [
         (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
@@ -157,12 +158,24 @@ def expert_cache(
         max_pairs=max_pairs,
         record_calls=record_calls,
     )
-    cache.device_resolve = device_resolve
-    cache.readers = readers
+    _tune(cache, device_resolve, readers, direct_io)
     cache.bind(slots, mx.default_device() != mx.cpu)
     if tier is not None:
         cache.attach(tier)
     return cache
+
+
+def _tune(cache: object, device_resolve: bool, readers: int, direct_io: bool) -> None:
+    """Set RuntimeConfig's fields on a new cache. With direct_io it reads with
+    O_DIRECT from now on: one line naming the blob where its filesystem refuses
+    (tmpfs before Linux 6.6)."""
+    cache.device_resolve = device_resolve  # type: ignore[attr-defined]
+    cache.readers = readers  # type: ignore[attr-defined]
+    if direct_io:
+        try:
+            cache.open_direct()  # type: ignore[attr-defined]
+        except ValueError as e:
+            raise NativeEngineError(str(e)) from None
 
 
 def host_tier(plan: object, readers: int) -> object:
