@@ -11,11 +11,14 @@
 #                                         llama-cpp pack), after MLX is staged:
 #                                         build/llama.cpp-cuda/bin/llama-bench
 #   bash scripts/gpu_run.sh gguf DIR OUT Q  DIR's weights as GGUF (q4_0 or q4_1)
+#   bash scripts/gpu_run.sh train OUT     scripts/train_router.py (128 experts,
+#                                         top-8) for MINUTES (default 6) on the
+#                                         GPU: OUT/routing.npz
 # Python runs this checkout's moestream (PYTHONPATH), on the image's python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-step=${1:?build, medium, tests, llama or gguf}
+step=${1:?build, medium, tests, llama, gguf or train}
 shift
 case "$step" in
   build)
@@ -45,8 +48,12 @@ case "$step" in
   gguf)
     python3 -m moestream bench llama-cpp gguf "${1:?DIR}" "${2:?OUT}" --quant "${3:-q4_0}"
     ;;
+  train)
+    PYTHONUNBUFFERED=1 python3 scripts/train_router.py --minutes "${MINUTES:-6}" \
+      --out "${1:?OUT}" --no-save-model
+    ;;
   *)
-    echo "unknown step $step: build, medium, tests, llama or gguf" >&2
+    echo "unknown step $step: build, medium, tests, llama, gguf or train" >&2
     exit 2
     ;;
 esac
