@@ -45,9 +45,10 @@ class RuntimeConfig:
         device_resolve, the resolving kernel posts them to the host tier's
         readers). None: on with the native engine, unless the host tier holds
         every record (read at load, so nothing is left to read ahead) or it
-        is a GPU's with device_resolve (docs/gpu.md measures it there). The
-        python engine measured 2-6 % slower with it, warm and cold (README),
-        and has none.
+        is a GPU's with device_resolve and direct_io off (buffered, its reads
+        ahead gained with the blobs in the page cache and lost beyond RAM;
+        direct, they gained: docs/gpu.md). The python engine measured 2-6 %
+        slower with it, warm and cold (README), and has none.
     prefetch_extra: predict this many experts beyond the router's top-k: more
         recall for some wasted reads.
     whole_calls: a prefill that routes to more experts than slots runs each

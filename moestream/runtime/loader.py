@@ -248,8 +248,10 @@ def _start(
     full_tier = tier is not None and plan.host_records >= every
     # The native engine's read-ahead; by default none into a tier that holds
     # every record (read at load: nothing is left to read ahead), nor on a GPU
-    # whose kernels resolve the tier unless asked (docs/gpu.md measures it).
+    # whose kernels resolve the tier unless its reads are direct (buffered,
+    # reads ahead lost beyond RAM; docs/gpu.md measures both).
     on_device = tier is not None and plan.host_pinned and cfg.device_resolve
+    on_device = on_device and not cfg.direct_io
     # Nor, with direct_io and no tier, as kernel readahead into a page cache
     # that direct reads skip.
     no_target = cfg.direct_io and tier is None
