@@ -51,6 +51,9 @@ class BeyondConfig:
     # A routing trace (.npz) every moestream run's MoE blocks route by
     # (routes.py; e.g. `uniform_trace`: routing that misses). Prefetch off.
     trace: Path | None = None
+    # The in-RAM rows (the roofline's compute term); off for a model whose
+    # every expert does not fit in RAM (the roofline is then the disk's alone).
+    in_ram: bool = True
 
 
 def measure_disk(out: Path) -> dict:
@@ -155,7 +158,7 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
         results.setdefault((name, mode, where), []).append(run())
         progress(f"{where} {name} {mode}: {available() >> 20} MB available")
 
-    for _ in range(cfg.repeats):
+    for _ in range(cfg.repeats if cfg.in_ram else 0):
         record(*in_ram[0][:1], "warm", "in RAM", in_ram[0][1])
     with Balloon(leave=cfg.floor + (512 << 20), floor=cfg.floor) as balloon:
         progress(f"balloon holds {balloon.held >> 20} MB, {available() >> 20} MB left")
@@ -163,7 +166,7 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
             for name, mode, run in plan(cfg):
                 record(name, mode, "balloon", run)
         held = balloon.held
-    for _ in range(cfg.repeats if cfg.gguf else 0):
+    for _ in range(cfg.repeats if cfg.gguf and cfg.in_ram else 0):
         record(*in_ram[1][:1], "warm", "in RAM", in_ram[1][1])
     return summarize(results, disk, held)
 
@@ -177,7 +180,7 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
     for (name, mode, where), runs in results.items():
         tps = statistics.median(r["tps"] for r in runs)
         dpt = statistics.median(r["disk"] for r in runs)
-        own = compute.get(name.split()[0], compute.get("moestream"))
+        own = compute.get(name.split()[0], compute.get("moestream", 0.0))
         bound = max(own, dpt / (disk["limit"] * 1e9))
         out.append(
             {

@@ -262,6 +262,12 @@ def compare_cmd(
 @_llama_gpu_options
 @click.option("--n-cpu-moe", type=int, default=None, help="llama.cpp -ncmoe N.")
 @click.option(
+    "--no-in-ram",
+    is_flag=True,
+    help="Skip the in-RAM rows (a model whose experts do not all fit in RAM); "
+    "the roofline is then the disk's alone.",
+)
+@click.option(
     "--build-dir", type=click.Path(path_type=Path), default=BUILD, show_default=True
 )
 @click.option("--json", "as_json", is_flag=True)
@@ -280,6 +286,7 @@ def beyond_cmd(
     cuda: bool,
     ngl: int | None,
     n_cpu_moe: int | None,
+    no_in_ram: bool,
     build_dir: Path,
     as_json: bool,
 ) -> None:
@@ -304,6 +311,7 @@ def beyond_cmd(
             n_cpu_moe=n_cpu_moe,
             runtime_fields=tuple(parse_compare(c) for c in compare),
             trace=trace,
+            in_ram=not no_in_ram,
         )
         main(cfg, as_json)
 
