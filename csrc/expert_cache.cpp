@@ -456,56 +456,15 @@ void ExpertCache::resolve_call(
   if (tier_) {
     resolve_through_tier(experts, n, tokens, out, use, rec);
   } else {
-    std::vector<std::pair<int, int>> misses;
-    resolve(experts, n, tokens, out,
-            [&](int e, int s) { misses.push_back({e, s}); }, rec);
-    read_misses(misses, use, rec);
+    resolve(experts, n, tokens, out, [&](int e, int s) {
+      staged(e, [&](const uint8_t* r) { use(r, -1, s); });
+      if (rec) {
+        rec->bytes_read += record_nbytes;
+      }
+    }, rec);
   }
   if (rec) {
     add_record(std::move(record));
-  }
-}
-
-void ExpertCache::read_misses(const std::vector<std::pair<int, int>>& misses,
-                              const UseRecord& use, CallRecord* rec) {
-  if (misses.empty()) {
-    return;
-  }
-  // Staging records shared by every layer (the stream reads one call at a
-  // time), block-aligned for direct reads.
-  using Record = std::unique_ptr<uint8_t, decltype(&std::free)>;
-  static std::mutex mutex;
-  static std::vector<Record> records;
-  static int64_t size = 0;
-  std::lock_guard<std::mutex> lock(mutex);
-  int64_t bytes = (record_nbytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
-  if (size < bytes) {
-    records.clear();
-    size = bytes;
-  }
-  while (records.size() < misses.size()) {
-    records.emplace_back(
-        static_cast<uint8_t*>(std::aligned_alloc(kDirectAlign, size)), &std::free);
-    if (!records.back()) {
-      records.pop_back();
-      throw std::bad_alloc();
-    }
-  }
-  try { // every record at once, each in pieces: the disk sees them all
-    parallel_reads(int(misses.size()), readers, [&](int i) {
-      read_record(misses[i].first, records[i].get());
-    });
-  } catch (const std::exception& e) {
-    for (auto& [expert, slot] : misses) {
-      drop(expert); // its slot's content is partial: free
-    }
-    throw std::runtime_error(e.what());
-  }
-  for (size_t i = 0; i < misses.size(); i++) {
-    use(records[i].get(), -1, misses[i].second);
-    if (rec) {
-      rec->bytes_read += record_nbytes;
-    }
   }
 }
 

@@ -189,12 +189,6 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void resolve_through_tier(const uint32_t* experts, int64_t n, int tokens,
                             uint32_t* out, const UseRecord& use,
                             CallRecord* rec);
-  // A call's misses without a host tier: every record read at once (each in
-  // pieces) into staging records, then handed to `use` in call order. If a
-  // read fails, every miss of the call leaves its slot and the error is
-  // rethrown.
-  void read_misses(const std::vector<std::pair<int, int>>& misses,
-                   const UseRecord& use, CallRecord* rec);
   int victim(const std::vector<char>& keep);
   void drop(int expert);
   void read_range(int expert, uint8_t* dst, int64_t begin, int64_t end);
