@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from builders.synthetic import tiny_qwen3_moe
-from helpers import PROMPT, corrupt_layer, logits_stepwise
+from helpers import PROMPT, corrupt_layer, direct_reads_refused, logits_stepwise
 
 import moestream
 from moestream.bench.sysio import drop_cache
@@ -42,29 +42,13 @@ GEOMETRY = {
 }
 
 
-def _direct_supported(path: Path) -> str | None:
-    """Why O_DIRECT reads of `path` fail here, or None when they work."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as e:
-        return f"O_DIRECT is not supported on {path.parent}: {e}"
-    try:
-        buf = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned
-        os.preadv(fd, [buf], 0)
-    except OSError as e:
-        return f"O_DIRECT reads fail on {path.parent}: {e}"
-    finally:
-        os.close(fd)
-    return None
-
-
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("direct")
     hf = tiny_qwen3_moe(root / "hf", **GEOMETRY)
     out = root / "out"
     convert(str(hf), out, bits=BITS, progress=False)
-    reason = _direct_supported(out / load_manifest(out).layers[0].file)
+    reason = direct_reads_refused(out / load_manifest(out).layers[0].file)
     if reason:
         pytest.skip(reason)
     return hf, out
@@ -209,7 +193,7 @@ def test_a_filesystem_without_o_direct_is_one_line_at_load(big, tmp_path: Path):
     out = Path(os.environ.get("MOESTREAM_TMPFS", shm)) / f"direct-{os.getpid()}"
     shutil.copytree(src, out)
     try:
-        if _direct_supported(out / load_manifest(out).layers[0].file) is None:
+        if direct_reads_refused(out / load_manifest(out).layers[0].file) is None:
             pytest.skip("this kernel's tmpfs takes O_DIRECT (Linux >= 6.6)")
         with pytest.raises(native.NativeEngineError) as e:
             moestream.load(out, cache_experts=2, engine="native", direct_io=True)

@@ -10,12 +10,15 @@ warm with whatever the previous cases left in them.
 from __future__ import annotations
 
 import random
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from builders.synthetic import HUB_LAYOUTS
+from helpers import direct_reads_refused
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
@@ -46,6 +49,7 @@ RUNTIME_CHOICES: dict[str, list] = {
     "readers": [1, 3],
     "concurrency": [1, 2],
     "device_resolve": [False, True],  # a GPU's: no effect on a CPU
+    "direct_io": [False, True],  # the native engine only
     "cpu_kernel": [None, False],  # True: the python engine too
     "kernel_threads": [0, 1],
 }
@@ -58,9 +62,17 @@ def draw_options(rng: random.Random) -> dict:
     options = {k: rng.choice(v) for k, v in RUNTIME_CHOICES.items()}
     if options["concurrency"] > 1:  # a batch step needs concurrency x top-2 slots
         options["cache_experts"] = max(options["cache_experts"], 4)
+    if options["engine"] == "python" or not DIRECT_READS:
+        options["direct_io"] = False  # refused by name (test_direct_io.py)
     if options["engine"] == "python":
         options["host_budget"] = None  # refused by name (tested)
     return options
+
+
+with tempfile.NamedTemporaryFile() as _probe:  # where tests write models
+    _probe.write(bytes(4096))
+    _probe.flush()
+    DIRECT_READS = direct_reads_refused(Path(_probe.name)) is None
 
 
 @dataclass
@@ -149,7 +161,8 @@ def test_every_field_is_drawn() -> None:
     assert list(RUNTIME_CHOICES) == [f.name for f in fields(RuntimeConfig)]
     for name, values in RUNTIME_CHOICES.items():
         for v in values:
-            engine = "native" if name == "host_budget" else "python"
+            native_only = ("host_budget", "direct_io")
+            engine = "native" if name in native_only else "python"
             RuntimeConfig(**{"engine": engine, name: v})  # each choice is valid
 
 
