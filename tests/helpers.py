@@ -185,3 +185,16 @@ def direct_reads_refused(path: Path) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+def tiny_converted(root: Path, bits: str, geometry: dict) -> tuple[Path, Path]:
+    """A tiny Qwen3-MoE of `geometry` in HF layout (root/hf), converted with
+    `bits` (root/out)."""
+    from builders.synthetic import tiny_qwen3_moe
+
+    from moestream.converter import convert
+
+    hf = tiny_qwen3_moe(root / "hf", **geometry)
+    out = root / "out"
+    convert(str(hf), out, bits=bits, progress=False)
+    return hf, out

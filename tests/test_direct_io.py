@@ -14,12 +14,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from builders.synthetic import tiny_qwen3_moe
-from helpers import PROMPT, corrupt_layer, direct_reads_refused, logits_stepwise
+from helpers import (
+    PROMPT,
+    corrupt_layer,
+    direct_reads_refused,
+    logits_stepwise,
+    tiny_converted,
+)
 
 import moestream
 from moestream.bench.sysio import drop_cache
-from moestream.converter import convert
 from moestream.formats import Recipe, load_manifest
 from moestream.reference import resident_model
 from moestream.runtime import ExpertReadError, RuntimeConfig, native
@@ -44,10 +48,7 @@ GEOMETRY = {
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("direct")
-    hf = tiny_qwen3_moe(root / "hf", **GEOMETRY)
-    out = root / "out"
-    convert(str(hf), out, bits=BITS, progress=False)
+    hf, out = tiny_converted(tmp_path_factory.mktemp("direct"), BITS, GEOMETRY)
     reason = direct_reads_refused(out / load_manifest(out).layers[0].file)
     if reason:
         pytest.skip(reason)

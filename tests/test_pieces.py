@@ -12,11 +12,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from builders.synthetic import tiny_qwen3_moe
-from helpers import PROMPT, corrupt_layer, logits_stepwise
+from helpers import PROMPT, corrupt_layer, logits_stepwise, tiny_converted
 
 import moestream
-from moestream.converter import convert
 from moestream.formats import Recipe, load_manifest
 from moestream.reference import resident_model
 from moestream.runtime import ExpertReadError, native
@@ -40,10 +38,7 @@ GEOMETRY = {
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("pieces")
-    hf = tiny_qwen3_moe(root / "hf", **GEOMETRY)
-    out = root / "out"
-    convert(str(hf), out, bits=BITS, progress=False)
+    hf, out = tiny_converted(tmp_path_factory.mktemp("pieces"), BITS, GEOMETRY)
     return hf, out
 
 
