@@ -9,6 +9,9 @@ no network). Runs on CUDA when there is one (bf16 autocast, fp32 master
 weights), else on CPU (for a smoke test at tiny dims). Writes to --out:
 
     routing.npz      ids uint8 [layers, tokens, k], seq_starts int64 [seqs],
+                     ahead uint8 [layers - 1, tokens, --ahead] (layer j+1's
+                     router on layer j's MoE input, best first: what the
+                     runtime's prefetch predicts),
                      tokens uint16 [tokens] (the held-out token ids),
                      meta (a JSON string: geometry, steps, losses, versions)
     tokenizer.json   the byte-level BPE trained here (or none: --vocab 0)
@@ -77,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-seqs", type=int, default=64)
     p.add_argument("--trace-seqs", type=int, default=16)
     p.add_argument("--trace-len", type=int, default=512)
+    p.add_argument(
+        "--ahead", type=int, default=16, help="next-layer predictions kept per token"
+    )
     p.add_argument("--max-gpu-gb", type=float, default=20.0, help="hard cap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-save-model", action="store_true")
@@ -342,14 +348,26 @@ def memory(device: str) -> str:
 
 @torch.no_grad()
 def record_trace(model, val_ids: torch.Tensor, args, device: str):
-    """Top-k ids of every router for evenly spaced held-out sequences."""
+    """Top-k ids of every router for evenly spaced held-out sequences, and what
+    the runtime's prefetch would predict: layer j+1's router applied to layer
+    j's MoE input, its `args.ahead` best experts ranked (moestream's
+    `router_predictor`, recorded so a forced trace can drive prefetch)."""
     windows = eval_batches(val_ids, args.trace_seqs, args.trace_len)
     routers = [layer.mlp.gate for layer in model.model.layers]
     caught: list[list[torch.Tensor]] = [[] for _ in routers]
-    hooks = [
-        r.register_forward_hook(lambda m, i, o, j=j: caught[j].append(o[2].cpu()))
-        for j, r in enumerate(routers)
-    ]
+    ahead: list[list[torch.Tensor]] = [[] for _ in routers[1:]]
+
+    def hook(j: int):
+        def catch(module, inputs, out):
+            caught[j].append(out[2].cpu())
+            if j + 1 < len(routers):
+                x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+                logits = F.linear(x, routers[j + 1].weight.float())
+                ahead[j].append(logits.topk(args.ahead, dim=-1).indices.cpu())
+
+        return catch
+
+    hooks = [r.register_forward_hook(hook(j)) for j, r in enumerate(routers)]
     model.eval()
     try:
         for w in windows:  # one sequence at a time, as decode would see it
@@ -361,8 +379,21 @@ def record_trace(model, val_ids: torch.Tensor, args, device: str):
     ids = torch.stack([torch.cat(c) for c in caught]).numpy()  # (L, T, k)
     if ids.max() > 255 or ids.shape[1] != len(windows) * args.trace_len:
         raise RuntimeError(f"unexpected trace: shape {ids.shape}, max id {ids.max()}")
+    predicted = torch.stack([torch.cat(c) for c in ahead]).numpy()  # (L-1, T, A)
     starts = np.arange(len(windows), dtype=np.int64) * args.trace_len
-    return ids.astype(np.uint8), starts, torch.cat(windows).numpy()
+    tokens = torch.cat(windows).numpy()
+    return ids.astype(np.uint8), predicted.astype(np.uint8), starts, tokens
+
+
+def ahead_recall(ids: np.ndarray, ahead: np.ndarray) -> dict:
+    """Share of layer j+1's routed experts among the first n of its prediction."""
+    k = ids.shape[2]
+    nxt = ids[1:, :, :, None]
+    return {
+        f"recall_at_{n}": float((nxt == ahead[:, :, None, :n]).any(-1).mean())
+        for n in sorted({k, k + 2, k + 8, ahead.shape[2]})
+        if n <= ahead.shape[2]
+    }
 
 
 def routing_summary(ids: np.ndarray, experts: int) -> dict:
@@ -424,7 +455,7 @@ def load_corpus(args: argparse.Namespace):
     return train_ids, val_ids, (args.vocab if tok else 257), corpus
 
 
-def build_meta(args, model, corpus: dict, result: dict, ids, starts) -> dict:
+def build_meta(args, model, corpus: dict, result: dict, ids, ahead, starts) -> dict:
     cuda = args.device == "cuda"
     return {
         "geometry": {k: getattr(model.config, k) for k in GEOMETRY},
@@ -441,6 +472,7 @@ def build_meta(args, model, corpus: dict, result: dict, ids, starts) -> dict:
             "seq_len": args.trace_len,
             "from": "held-out files, evenly spaced windows, best-val weights",
             **routing_summary(ids, args.experts),
+            "ahead": ahead_recall(ids, ahead),
         },
         "versions": {
             "python": platform.python_version(),
@@ -478,12 +510,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         args.batch = fit_batch(model, args.batch, args.seq_len, vocab)
     result = train(args, model, train_ids, val_windows, args.device)
-    ids, starts, tokens = record_trace(model, val_ids, args, args.device)
-    meta = build_meta(args, model, corpus, result, ids, starts)
+    ids, ahead, starts, tokens = record_trace(model, val_ids, args, args.device)
+    meta = build_meta(args, model, corpus, result, ids, ahead, starts)
     path = args.out / "routing.npz"
     np.savez_compressed(
         path,
         ids=ids,
+        ahead=ahead,
         seq_starts=starts,
         tokens=tokens.astype(np.uint16),
         meta=np.array(json.dumps(meta)),

@@ -110,6 +110,66 @@ def test_forcing_refuses_a_model_of_another_geometry(synthetic, tmp_path):
         plan_rows(BenchConfig(synthetic, trace=wide))
 
 
+def oracle_trace(path: Path, shift: int) -> None:
+    """A 3-layer trace whose `ahead` predicts layer j+1 at layer j: its real
+    ids (shift 0), or those of the token `shift` later (misaligned), then two
+    experts it does not route to."""
+    ids = random_trace(3, 40, 2, 8, seed=3)
+    ahead = np.zeros((2, 40, 4), np.int64)
+    for j in range(2):
+        for t in range(40):
+            row = ids[j + 1, (t + shift) % 40]
+            ahead[j, t] = [*row, *[e for e in range(8) if e not in row][:2]]
+    write_trace(path, ids, meta={"geometry": {"num_experts": 8}}, ahead=ahead)
+
+
+@pytest.mark.skipif(not native.available(), reason="native engine not built")
+def test_forced_predictions_drive_prefetch_token_by_token(synthetic, tmp_path):
+    """With a trace's `ahead`, layer j's prefetch at token t hints what the trace
+    recorded for layer j+1 at t: every record hinted before a call is one of
+    its token's predictions, so with predictions that are the next layer's
+    routes each is routed; with those of the next token, some are not."""
+    routed = {}
+    for shift in (0, 1):
+        path = tmp_path / f"ahead{shift}.npz"
+        oracle_trace(path, shift)
+        trace = load_trace(path)
+        model, _ = moestream.load(
+            synthetic, cache_experts=3, prefetch=True, record_trace=True
+        )
+        force_routes(model, trace, prefetch_extra=0)
+        decode_one_token_at_a_time(model, 30)
+        s = moestream.stats(model)
+        layers = sorted({e["layer"] for e in s.events})
+        hinted, used = 0, True
+        for e in s.events:
+            j, t = layers.index(e["layer"]), e["step"] % 40
+            got = set(e["prefetched"])
+            if j == 0:
+                assert not got  # nothing predicts the first layer
+                continue
+            hinted += len(got)
+            assert got <= set(trace.ahead[j - 1][t][:2].tolist())
+            used &= got <= set(trace.ids[j][t].tolist())
+        assert hinted > 20
+        routed[shift] = used
+    assert routed == {0: True, 1: False}
+
+
+def test_trace_predictions_are_checked_against_prefetch_extra(synthetic, tmp_path):
+    path = tmp_path / "ahead.npz"
+    oracle_trace(path, 0)  # 4 predictions a token: top-2 + at most 2
+    on = RuntimeConfig(prefetch=True, prefetch_extra=2)
+    assert plan_rows(BenchConfig(synthetic, budgets=(50,), trace=path, runtime=on))
+    with pytest.raises(ValueError, match="use prefetch_extra <= 2"):
+        plan_rows(
+            BenchConfig(synthetic, trace=path, runtime=RuntimeConfig(prefetch_extra=3))
+        )
+    model, _ = moestream.load(synthetic, cache_experts=3, prefetch=True)
+    with pytest.raises(ValueError, match="records 4: use prefetch_extra <= 2"):
+        force_routes(model, load_trace(path), prefetch_extra=3)
+
+
 def test_bench_rows_carry_the_trace_and_refuse_prefetch(synthetic, trace_file):
     rows = plan_rows(BenchConfig(synthetic, budgets=(50,), trace=trace_file))
     assert {r.job.trace for r in rows} == {str(trace_file)}
@@ -187,6 +247,14 @@ def test_trace_command_prints_the_curves(trace_file):
         ),
         ({"ids": np.array([[[0, 1]]]), "seq_starts": np.array([1])}, "rise from 0"),
         ({"ids": np.array([[[0, 1]]]), "meta": np.array("[1")}, "not a JSON string"),
+        (
+            {"ids": np.zeros((2, 3, 1), np.uint8), "ahead": np.zeros((2, 3, 4))},
+            "`ahead` must be integer",
+        ),
+        (
+            {"ids": np.zeros((2, 3, 1), np.uint8), "ahead": np.full((1, 3, 2), 9)},
+            "`ahead` ids must lie in 0..0",
+        ),
     ],
 )
 def test_bad_trace_files_give_one_line(tmp_path, arrays, message):

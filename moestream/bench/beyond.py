@@ -25,10 +25,11 @@ from pathlib import Path
 
 from ..formats import load_manifest
 from ..formats.manifest import inside
+from ..runtime.config import RuntimeConfig
 from .balloon import FLOOR, Balloon, available
 from .harness import DECODE_PROMPT_TOKENS, capacity_for, run_job
 from .llama_cpp import LlamaJob, run_llama_bench
-from .routes import check_geometry, load_trace
+from .routes import check_geometry, load_trace, predictions_used
 from .sysio import direct_read_gbps
 from .worker import Job
 
@@ -49,7 +50,8 @@ class BeyondConfig:
     n_cpu_moe: int | None = None
     runtime_fields: tuple[tuple[str, dict], ...] = ()  # --compare variants
     # A routing trace (.npz) every moestream run's MoE blocks route by
-    # (routes.py; e.g. `uniform_trace`: routing that misses). Prefetch off.
+    # (routes.py; e.g. `uniform_trace`: routing that misses). Prefetch runs
+    # on its recorded predictions (`ahead`), or is off when it has none.
     trace: Path | None = None
     # The in-RAM rows (the roofline's compute term); off for a model whose
     # every expert does not fit in RAM (the roofline is then the disk's alone).
@@ -143,7 +145,11 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
     if cfg.trace:  # fail here in one line, not in every worker
         config = json.loads((cfg.out / "config.json").read_text())
         routes = load_trace(cfg.trace)
-        check_geometry(routes, config["num_experts"], config["num_experts_per_tok"])
+        k = config["num_experts_per_tok"]
+        check_geometry(routes, config["num_experts"], k)
+        for _, fields in [("", {}), *cfg.runtime_fields] if routes.predicts else []:
+            extra = fields.get("prefetch_extra", RuntimeConfig.prefetch_extra)
+            predictions_used(routes, k, extra)
     disk = measure_disk(cfg.out)
     progress(f"disk: {json.dumps(disk)}")
     # In RAM, without the balloon: moestream first, llama.cpp after the

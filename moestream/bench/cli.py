@@ -87,7 +87,8 @@ def _floats(text: str) -> tuple[float, ...]:
     type=click.Path(exists=True, dir_okay=False),
     default=None,
     help="A routing trace (.npz, layers x tokens x k ids) that every MoE block "
-    "routes by instead of its router; reads and kernels stay real.",
+    "routes by instead of its router; reads and kernels stay real, prefetch "
+    "predicts as the trace recorded (`ahead`), or is off.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, not a table.")
 @click.option(

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..formats import BlobReader, load_manifest
 from ..formats.manifest import inside
 from ..runtime.config import RuntimeConfig
-from .routes import check_geometry, load_trace
+from .routes import check_geometry, load_trace, predictions_used, prefetch_note
 from .worker import Job
 
 DECODE_PROMPT_TOKENS = 16
@@ -61,10 +61,11 @@ class BenchConfig:
                     "compare other fields."
                 )
             replace(self.runtime, **fields)  # validates each variant now
-        if self.trace and self.runtime.prefetch:
+        if self.trace and self.runtime.prefetch and not load_trace(self.trace).predicts:
             raise ValueError(
-                "--trace forces routes the model's routers cannot predict: "
-                "leave --prefetch unset (the bench turns it off)."
+                f"--trace {self.trace} forces routes the model's routers cannot "
+                "predict and records no predictions (`ahead`): leave --prefetch "
+                "unset (the bench turns it off)."
             )
 
 
@@ -94,7 +95,10 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
     experts = max(layer.num_experts for layer in manifest.layers)
     top_k = int(config.get("num_experts_per_tok", 1))
     if cfg.trace:  # fail here in one line, not in every worker
-        check_geometry(load_trace(cfg.trace), experts, top_k)
+        routes = load_trace(cfg.trace)
+        check_geometry(routes, experts, top_k)
+        if routes.ahead is not None:
+            predictions_used(routes, top_k, cfg.runtime.prefetch_extra)
     base = Job(
         out=str(cfg.out),
         capacity=None,
@@ -322,7 +326,8 @@ def format_table(result: dict) -> str:
         "per token, missed MB per token / parallel disk bandwidth) for cold rows."
     )
     if result["config"].get("trace"):
-        lines.append(f"routes forced from {result['config']['trace']} (prefetch off).")
+        path = result["config"]["trace"]
+        lines.append(f"routes forced from {path}; {prefetch_note(load_trace(path))}.")
     return "\n".join(lines)
 
 

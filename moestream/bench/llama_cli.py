@@ -241,7 +241,8 @@ def compare_cmd(
     "--trace",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="A routing trace (.npz) moestream's MoE blocks route by (prefetch off).",
+    help="A routing trace (.npz) moestream's MoE blocks route by (prefetch from "
+    "its recorded predictions, or off).",
 )
 @click.option("--tokens", default=128, show_default=True, help="Decode tokens per run.")
 @click.option("--repeats", default=1, show_default=True)

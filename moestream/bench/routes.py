@@ -3,13 +3,17 @@ and replay them against cache policies.
 
 A trace file holds `ids` (uint8 or wider, [layers, tokens, k]: each MoE
 layer's routed expert ids per token), optionally `seq_starts` (the first token
-of each sequence, sorted, from 0) and `meta` (a JSON string; `geometry.
+of each sequence, sorted, from 0), `ahead` ([layers - 1, tokens, A]: what the
+runtime's prefetch predicted for layer j+1 at layer j, layer j+1's router on
+layer j's MoE input, best first) and `meta` (a JSON string; `geometry.
 num_experts` there is the expert count the ids index). scripts/train_router.py
 writes them from a trained model; `write_trace` from any recorded routing.
 
 Forcing replaces each MoE block's router with one that returns the trace's
 choice (the real router still runs, its output multiplied by zero): the block's
 own top-k, the slot lookup, the reads and the expert kernels stay the engine's.
+With `ahead`, each chained layer's prefetch predicts what the trained model's
+next router predicted, as the model's own routers cannot for forced routes.
 It is for the benchmark only; nothing in the runtime knows about it.
 """
 
@@ -37,6 +41,8 @@ class RoutingTrace:
     ids: np.ndarray  # (layers, tokens, k) expert ids
     seq_starts: np.ndarray  # first token of each sequence
     meta: dict = field(default_factory=dict)
+    # (layers - 1, tokens, A): layer j+1's experts as predicted at layer j
+    ahead: np.ndarray | None = None
 
     @property
     def layers(self) -> int:
@@ -49,6 +55,11 @@ class RoutingTrace:
     @property
     def top_k(self) -> int:
         return self.ids.shape[2]
+
+    @property
+    def predicts(self) -> bool:
+        """Whether the trace records the next layer's predicted experts."""
+        return self.ahead is not None
 
     @property
     def num_experts(self) -> int:
@@ -80,7 +91,7 @@ def load_trace(path: str | Path) -> RoutingTrace:
         )
     meta = _meta(arrays.get("meta"), name)
     starts = arrays.get("seq_starts", np.zeros(1, np.int64)).astype(np.int64)
-    trace = RoutingTrace(ids, starts, meta)
+    trace = RoutingTrace(ids, starts, meta, arrays.get("ahead"))
     _check(trace, name)
     return trace
 
@@ -111,6 +122,17 @@ def _check(trace: RoutingTrace, name: str) -> None:
     ordered = np.sort(trace.ids, axis=-1)
     if (ordered[..., 1:] == ordered[..., :-1]).any():
         raise ValueError(f"{name}: a token routes to the same expert twice.")
+    a = trace.ahead
+    if a is None:
+        return
+    want = (trace.layers - 1, trace.tokens)
+    if a.ndim != 3 or a.shape[:2] != want or a.dtype.kind not in "iu":
+        raise ValueError(
+            f"{name}: `ahead` must be integer [{want[0]}, {want[1]}, n] "
+            f"(layers - 1, tokens, predictions); found {a.dtype} {list(a.shape)}."
+        )
+    if a.size and (a.min() < 0 or a.max() >= trace.num_experts):
+        raise ValueError(f"{name}: `ahead` ids must lie in 0..{trace.num_experts - 1}.")
 
 
 def uniform_trace(
@@ -129,16 +151,20 @@ def write_trace(
     ids: np.ndarray,
     seq_starts: np.ndarray | None = None,
     meta: dict | None = None,
+    ahead: np.ndarray | None = None,
 ) -> None:
-    """Write `ids` [layers, tokens, k] as a trace file (uint8 when ids fit)."""
+    """Write `ids` [layers, tokens, k] (and `ahead`, the next layer's predicted
+    experts [layers - 1, tokens, n]) as a trace file (uint8 when ids fit)."""
     ids = np.asarray(ids)
     dtype = np.uint8 if ids.max() < 256 else np.uint16
     starts = np.zeros(1, np.int64) if seq_starts is None else np.asarray(seq_starts)
+    extra = {} if ahead is None else {"ahead": np.asarray(ahead).astype(dtype)}
     np.savez_compressed(
         path,
         ids=ids.astype(dtype),
         seq_starts=starts.astype(np.int64),
         meta=np.array(json.dumps(meta or {})),
+        **extra,
     )
 
 
@@ -185,8 +211,57 @@ def check_geometry(trace: RoutingTrace, num_experts: int, top_k: int) -> None:
         )
 
 
-def force_routes(model: nn.Module, trace: RoutingTrace) -> list[ForcedRouter]:
-    """Make MoE block l route as trace layer l mod trace.layers; the routers."""
+class ForcedPrediction:
+    """A chained layer's prefetch prediction as the trace recorded it: the
+    first `n` of `ahead` [tokens, A] at the tokens its layer's `router` has
+    just routed."""
+
+    def __init__(self, router: ForcedRouter, ahead: np.ndarray, n: int):
+        self._router = router
+        self._ahead = ahead[:, :n].astype(np.uint32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        t = int(np.prod(x.shape[:-1]))
+        end = self._router.position
+        rows = np.take(self._ahead, range(end - t, end), axis=0, mode="wrap")
+        return mx.array(rows.reshape(*x.shape[:-1], -1))
+
+
+def predictions_used(trace: RoutingTrace, top_k: int, extra: int) -> int:
+    """How many of each token's recorded predictions prefetch takes (top-k +
+    `extra`, as the runtime's router predictor); ValueError if the trace has
+    none or too few."""
+    n = top_k + extra
+    if trace.ahead is None:
+        raise ValueError(
+            "The trace records no next-layer predictions (`ahead`), and the "
+            "model's routers cannot predict forced routes: leave prefetch off."
+        )
+    if n > trace.ahead.shape[2]:
+        raise ValueError(
+            f"prefetch_extra={extra} asks for {n} predictions a token; the trace "
+            f"records {trace.ahead.shape[2]}: use prefetch_extra <= "
+            f"{trace.ahead.shape[2] - top_k}."
+        )
+    return n
+
+
+def prefetch_note(trace: RoutingTrace) -> str:
+    """How a bench run forced by `trace` prefetches, for its report."""
+    if trace.predicts:
+        return "prefetch predicts as the trace recorded (the trained next router)"
+    return "prefetch off (the model's routers cannot predict forced routes)"
+
+
+def force_routes(
+    model: nn.Module, trace: RoutingTrace, prefetch_extra: int | None = None
+) -> list[ForcedRouter]:
+    """Make MoE block l route as trace layer l mod trace.layers; the routers.
+
+    With `prefetch_extra` and a trace that records `ahead`, each chained
+    streaming layer l predicts as the trace did at layer l mod trace.layers
+    (top-k + prefetch_extra of it); the layer before a wrap of the trace's
+    layers has no recorded prediction and predicts nothing."""
     blocks = moe_blocks(model)
     if not blocks:
         raise ValueError("The model has no MoE block with a `gate` to force.")
@@ -197,6 +272,15 @@ def force_routes(model: nn.Module, trace: RoutingTrace) -> list[ForcedRouter]:
         gate = block.gate.gate if isinstance(block.gate, ForcedRouter) else block.gate
         block.gate = ForcedRouter(gate, trace.ids[i % trace.layers], experts)
         routers.append(block.gate)
+        engine = getattr(block.switch_mlp, "_engine", None)
+        if prefetch_extra is None or getattr(engine, "predict", None) is None:
+            continue
+        j = i % trace.layers
+        n = predictions_used(trace, block.top_k, prefetch_extra)
+        last = j == trace.layers - 1
+        engine.predict = (
+            None if last else ForcedPrediction(block.gate, trace.ahead[j], n)
+        )
     return routers
 
 

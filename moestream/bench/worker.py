@@ -123,17 +123,21 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
         check_files(out, load_manifest(out))
     budget = budget_for(out, job.capacity, context, job.runtime)
     gc.collect()
+    # The model's routers cannot predict forced routes: prefetch runs on the
+    # trace's recorded predictions, or not at all when it has none.
+    trace = load_trace(job.trace) if job.trace else None
+    predicts = trace is None or trace.predicts
     options = replace(
         job.runtime,
         cache_experts=job.capacity,
         memory_budget=budget,
         context=context,
         record_trace=True,
-        # The model's routers do not know a forced trace: nothing to predict with.
-        prefetch=False if job.trace else job.runtime.prefetch,
+        prefetch=job.runtime.prefetch if predicts else False,
     )
     model, _ = load(out, options, tokenizer=tokenizer)
-    _forced(job, model)
+    if trace is not None:
+        force_routes(model, trace, options.prefetch_extra)
     runtime = runtime_of(model)
     if job.cold:
         runtime.store.drop_cache()
