@@ -24,11 +24,18 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_crc32_is_zlibs():
+    """Short lengths (tables), and every length and start around the folding
+    path's edges (64 bytes, multiples of 16) and past them, any running CRC."""
     rng = np.random.default_rng(0)
-    for n in (0, 1, 7, 8, 9, 4096 + 3):
-        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
-        assert native._native.crc32(data) == zlib.crc32(data)
-        assert native._native.crc32(data, 12345) == zlib.crc32(data, 12345)
+    block = rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    lengths = [0, 1, 7, 8, 9, 4096 + 3, 1 << 16]
+    lengths += [*range(48, 100), *range(120, 200, 7), *rng.integers(0, 1 << 16, 40)]
+    for n in lengths:
+        start = int(rng.integers(0, 17))
+        data = block[start : start + n]
+        crc = int(rng.integers(0, 2**32))
+        assert native._native.crc32(data) == zlib.crc32(data), n
+        assert native._native.crc32(data, crc) == zlib.crc32(data, crc), n
 
 
 @pytest.mark.parametrize("cache_experts", [2, 5, 8])

@@ -106,6 +106,7 @@ def _moe(job: Job) -> dict:
         "tps": r["decode_tps"],
         "disk": r["disk_bytes_per_token"],
         "read": r["bytes_per_token"],
+        "missed": r["fill_bytes_per_token"],
         "rss": r["peak_rss"],
         "hit": r.get("hit_rate"),
         "tokens": r["tokens"],
@@ -118,6 +119,7 @@ def _llama(job: LlamaJob) -> dict:
         "tps": r["tps"],
         "disk": r["disk_bytes_per_token"],
         "read": None,
+        "missed": None,
         "rss": r["peak_rss"],
         "hit": None,
     }
@@ -188,15 +190,13 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
         dpt = statistics.median(r["disk"] for r in runs)
         own = compute.get(name.split()[0], compute.get("moestream", 0.0))
         bound = max(own, dpt / (disk["limit"] * 1e9))
-        # The same against the records the slots missed, as if every one came
-        # from the disk and nothing else did (what reading ahead wastes is
-        # not credited to the roofline here).
-        read = (
-            None
-            if runs[0]["read"] is None
-            else statistics.median(r["read"] for r in runs)
-        )
-        strict = None if read is None else max(own, read / (disk["limit"] * 1e9)) * tps
+        # The same against the records the slots missed (one a miss), as if
+        # each came from the disk and nothing else did: reads ahead that no
+        # slot took are not credited to the roofline here.
+        missed = strict = None
+        if runs[0]["missed"] is not None:
+            missed = statistics.median(r["missed"] for r in runs)
+            strict = max(own, missed / (disk["limit"] * 1e9)) * tps
         out.append(
             {
                 "row": name,
@@ -205,12 +205,15 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
                 "decode_tps": tps,
                 "spread": [r["tps"] for r in runs],
                 "disk_mb_per_token": dpt / 1e6,
-                "read_mb_per_token": None if read is None else read / 1e6,
+                "read_mb_per_token": None
+                if runs[0]["read"] is None
+                else statistics.median(r["read"] for r in runs) / 1e6,
                 "disk_mb_s": dpt * tps / 1e6,
                 "peak_rss": max(r["rss"] for r in runs),
                 "hit_rate": runs[0]["hit"],
                 "roofline_s": bound,
                 "x_roofline": bound * tps,
+                "missed_mb_per_token": None if missed is None else missed / 1e6,
                 "x_roofline_records": strict,
             }
         )
@@ -229,7 +232,8 @@ COLUMNS = [
     ("peak_rss", "peak RSS MB", "{:.0f}"),
     ("roofline_s", "roofline s/tok", "{:.2f}"),
     ("x_roofline", "x roofline", "{:.2f}"),
-    ("x_roofline_records", "x roofline of records", "{:.2f}"),
+    ("missed_mb_per_token", "missed MB/tok", "{:.0f}"),
+    ("x_roofline_records", "x roofline of missed", "{:.2f}"),
 ]
 
 
