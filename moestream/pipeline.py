@@ -320,6 +320,24 @@ def gather_text(group: mx.distributed.Group, text: str) -> list[str]:
     return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows]
 
 
+def share_line(group: mx.distributed.Group, line: str | None) -> str | None:
+    """Rank 0's `line` (None: its input ended) on every rank; the other ranks'
+    `line` is ignored. So only rank 0 reads the terminal, and every rank
+    answers the same input whatever a launcher does with the others' stdin."""
+    raw = (line or "").encode() if group.rank() == 0 else b""
+    n = -1 if line is None else len(raw)
+    n = int(
+        mx.distributed.all_sum(
+            mx.array([n if group.rank() == 0 else 0]), group=group
+        ).item()
+    )
+    if n <= 0:
+        return None if n < 0 else ""
+    mine = mx.array(list(raw), mx.int32) if group.rank() == 0 else mx.zeros(n, mx.int32)
+    out = mx.distributed.all_sum(mine, group=group).tolist()
+    return bytes(out).decode()
+
+
 def check_same_model(group: mx.distributed.Group, path: str | Path) -> None:
     """Every rank has the same OUT: the digests of manifest.json (which holds
     every file's checksum) must agree."""

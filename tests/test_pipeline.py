@@ -155,6 +155,27 @@ def test_two_ranks_generic_family_exact(qwen2) -> None:
     assert all(r["bytes_read"] > 0 and r["peak_memory"] > 0 for r in ranks)
 
 
+SHARE = """
+import json, mlx.core as mx
+from moestream.pipeline import share_line
+g = mx.distributed.init()
+r = g.rank()
+lines = ["h\u00e9llo " + str(r), "" if r == 0 else "x", None if r == 0 else "y"]
+print(json.dumps([r, [share_line(g, line) for line in lines]]), flush=True)
+"""
+
+
+def test_every_rank_gets_rank_0s_line() -> None:
+    """chat --pipeline's input: rank 0's line (text, empty, or the end of
+    input) on every rank, whatever the other ranks read."""
+    r = launch(2, sys.executable, "-c", SHARE)
+    got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+    assert sorted(got) == [
+        [0, ["h\u00e9llo 0", "", None]],
+        [1, ["h\u00e9llo 0", "", None]],
+    ]
+
+
 @pytest.mark.slow
 def test_budget_too_small_on_one_rank_stops_every_rank(converted: Path) -> None:
     """Rank shares of 2 and 1 layers: at a long context the KV cache of one more

@@ -6,6 +6,8 @@ statistics, help) to stderr.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
@@ -36,8 +38,8 @@ ENGINE_EXCLUDED = ("record_trace", "concurrency")
 @click.option(
     "--pipeline",
     is_flag=True,
-    help="Run as one rank of a pipeline started by mlx.launch (every rank reads "
-    "the same input; rank 0 answers).",
+    help="Run as one rank of a pipeline started by mlx.launch (rank 0 reads the "
+    "input, shares each line with the other ranks and answers).",
 )
 @engine_options(exclude=ENGINE_EXCLUDED)
 @common_options
@@ -70,33 +72,48 @@ def chat_cmd(
 
     chat = user_errors(start)
     if pipeline:
-        from ..pipeline import ended_by_launcher, init, lost_peers
+        from ..pipeline import ended_by_launcher, init, lost_peers, share_line
 
         def converse() -> None:
             group = init()
+
+            def read(prompt: str) -> str | None:
+                return share_line(group, _read(prompt) if group.rank() == 0 else None)
+
             with ended_by_launcher(group.rank()), lost_peers(group):
-                _converse(chat, max_tokens, temp, top_p, group.rank())
+                _converse(chat, max_tokens, temp, top_p, group.rank(), read)
 
         user_errors(converse)
     else:
         _converse(chat, max_tokens, temp, top_p)
 
 
+def _read(prompt: str) -> str | None:
+    """A line of the terminal (None: its end)."""
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+
+
 def _converse(
-    chat: Conversation, max_tokens: int, temp: float, top_p: float, rank: int = 0
+    chat: Conversation,
+    max_tokens: int,
+    temp: float,
+    top_p: float,
+    rank: int = 0,
+    read: Callable[[str], str | None] = _read,
 ) -> None:
-    """The terminal loop; on a pipeline's other ranks, silent."""
+    """The terminal loop; on a pipeline's other ranks, silent (`read` gives
+    them rank 0's lines)."""
     echo = click.echo if rank == 0 else lambda *_, **__: None
     echo(runtime_of(chat.model).plan.describe(), err=True)
     echo(HELP, err=True)
     sampler = make_sampler(temp, top_p)
     show = (lambda t: print(t, end="", flush=True)) if rank == 0 else None
     while True:
-        try:
-            query = input(">> " if rank == 0 else "")
-        except EOFError:
-            break
-        if query == "q":
+        query = read(">> ")
+        if query is None or query == "q":
             break
         if query == "r":
             chat.reset()
