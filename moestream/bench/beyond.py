@@ -29,7 +29,7 @@ from ..runtime.config import RuntimeConfig
 from .balloon import FLOOR, Balloon, available
 from .harness import DECODE_PROMPT_TOKENS, capacity_for, run_job
 from .llama_cpp import LlamaJob, run_llama_bench
-from .routes import check_geometry, load_trace, predictions_used
+from .routes import check_trace, load_trace
 from .sysio import direct_read_gbps
 from .worker import Job
 
@@ -147,11 +147,13 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
     if cfg.trace:  # fail here in one line, not in every worker
         config = json.loads((cfg.out / "config.json").read_text())
         routes = load_trace(cfg.trace)
-        k = config["num_experts_per_tok"]
-        check_geometry(routes, config["num_experts"], k)
-        for _, fields in [("", {}), *cfg.runtime_fields] if routes.predicts else []:
-            extra = fields.get("prefetch_extra", RuntimeConfig.prefetch_extra)
-            predictions_used(routes, k, extra)
+        variants = [{}, *(f for _, f in cfg.runtime_fields)]
+        extras = [
+            f.get("prefetch_extra", RuntimeConfig.prefetch_extra) for f in variants
+        ]
+        check_trace(
+            routes, config["num_experts"], config["num_experts_per_tok"], extras
+        )
     disk = measure_disk(cfg.out)
     progress(f"disk: {json.dumps(disk)}")
     # In RAM, without the balloon: moestream first, llama.cpp after the

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..formats import BlobReader, load_manifest
 from ..formats.manifest import inside
 from ..runtime.config import RuntimeConfig
-from .routes import check_geometry, load_trace, predictions_used, prefetch_note
+from .routes import check_trace, load_trace, prefetch_note
 from .worker import Job
 
 DECODE_PROMPT_TOKENS = 16
@@ -95,10 +95,9 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
     experts = max(layer.num_experts for layer in manifest.layers)
     top_k = int(config.get("num_experts_per_tok", 1))
     if cfg.trace:  # fail here in one line, not in every worker
-        routes = load_trace(cfg.trace)
-        check_geometry(routes, experts, top_k)
-        if routes.ahead is not None:
-            predictions_used(routes, top_k, cfg.runtime.prefetch_extra)
+        runtimes = [cfg.runtime, *(replace(cfg.runtime, **f) for _, f in cfg.compare)]
+        extras = [r.prefetch_extra for r in runtimes]
+        check_trace(load_trace(cfg.trace), experts, top_k, extras)
     base = Job(
         out=str(cfg.out),
         capacity=None,

@@ -246,6 +246,16 @@ def predictions_used(trace: RoutingTrace, top_k: int, extra: int) -> int:
     return n
 
 
+def check_trace(
+    trace: RoutingTrace, num_experts: int, top_k: int, extras: list[int]
+) -> None:
+    """ValueError unless a model routing top-`top_k` of `num_experts` can take
+    `trace`, and its predictions (if any) serve each run's `prefetch_extra`."""
+    check_geometry(trace, num_experts, top_k)
+    for extra in extras if trace.predicts else []:
+        predictions_used(trace, top_k, extra)
+
+
 def prefetch_note(trace: RoutingTrace) -> str:
     """How a bench run forced by `trace` prefetches, for its report."""
     if trace.predicts:
