@@ -153,6 +153,14 @@ NB_MODULE(_native, m) {
            "Read records with O_DIRECT from now on (RuntimeConfig.direct_io); "
            "ValueError where the blob's filesystem refuses direct reads.")
       .def_prop_ro("direct", &ExpertCache::direct)
+      .def("map_blob", &ExpertCache::map_blob,
+           "Map the blob read-only (RuntimeConfig.mapped): calls resolve to "
+           "expert ids, read in place by expert_mlp_mapped; ValueError when "
+           "the file is shorter than its records.")
+      .def_prop_ro("mapped", &ExpertCache::mapped)
+      .def("unmap_pages", &ExpertCache::unmap_pages,
+           "Take a mapped blob's pages out of this process's page tables (the "
+           "page cache keeps them until dropped).")
       .def_prop_ro(
           "unaligned_reads",
           [](ExpertCache& c) { return c.unaligned_reads.load(); },
@@ -231,6 +239,31 @@ NB_MODULE(_native, m) {
       "SwitchGLU with SwiGLU over slot arrays, bit for bit MLX's CPU ops; "
       "`weights` gate, up, down (weight, scales, biases), `specs` their "
       "(bits, group_size); `threads` 0 uses every core.");
+  m.def(
+      "expert_mlp_mapped",
+      [](const mlx::core::array& x, const mlx::core::array& experts,
+         std::shared_ptr<ExpertCache> cache,
+         const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t,
+                                      int64_t, int64_t, int, int, int>>& proj,
+         int threads) {
+        std::vector<moestream::MappedProjection> p;
+        for (auto& [w, s, b, rows, row_bytes, groups, format, bits, gs] : proj) {
+          if (format < 0 || format > 2) {
+            throw std::invalid_argument(
+                "moestream kernel: scale format must be 0 (float32), 1 "
+                "(bfloat16) or 2 (float16)");
+          }
+          p.push_back({w, s, b, rows, row_bytes, groups,
+                       moestream::ScaleFormat(format), {bits, gs}});
+        }
+        return moestream::expert_mlp_mapped(x, experts, std::move(cache), p,
+                                            threads);
+      },
+      "x"_a, "experts"_a, "cache"_a, "projections"_a, "threads"_a = 0,
+      "expert_mlp on the records of a mapped cache, read in place: "
+      "`experts` routed expert ids (its fetch's), `projections` gate, up, "
+      "down as (weight, scales, biases offsets in the record, rows, "
+      "row_bytes, groups, scale format, bits, group_size).");
   m.def(
       "quant_matmul",
       [](const mlx::core::array& x, const mlx::core::array& w,

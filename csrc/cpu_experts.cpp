@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -12,6 +13,9 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/unary_ops.h"
 #include "mlx/ops.h"
+
+#include "cast.h"
+#include "expert_cache.h"
 
 namespace moestream {
 
@@ -97,14 +101,37 @@ Pool& pool() {
   return *p;
 }
 
-// One projection of one expert: row r's packed values at w + r * row_bytes.
+// One projection of one expert: row r's packed values at w + r * row_bytes;
+// scales and biases stored as float32, or as bfloat16 / float16 where the
+// kernel reads a record in place (ExpertMlpMapped: each value widened exactly,
+// as the slot's cast would have written it).
 struct Matrix {
   const uint8_t* w;
-  const float* scales;
-  const float* biases;
+  const uint8_t* scales;
+  const uint8_t* biases;
   int64_t rows, cols, row_bytes, groups;
   int group_size;
+  ScaleFormat format{ScaleFormat::F32};
 };
+
+// Scale or bias i of a row, as float32: cast.h's widening, bit for bit.
+template <ScaleFormat F>
+inline float scale_at(const uint8_t* row, int64_t i) {
+  if constexpr (F == ScaleFormat::F32) {
+    return reinterpret_cast<const float*>(row)[i];
+  } else {
+    uint16_t h = reinterpret_cast<const uint16_t*>(row)[i];
+    uint32_t u = F == ScaleFormat::BF16 ? uint32_t(h) << 16 : f16_to_f32(h);
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+}
+
+template <ScaleFormat F>
+constexpr int64_t scale_size() {
+  return F == ScaleFormat::F32 ? 4 : 2;
+}
 
 // Value I of a 32-value chunk in every lane, dequantized, times x, added.
 template <int bits, int I>
@@ -122,6 +149,7 @@ inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
 
 // Ask for every line of rows [r0, r0 + kRows) (the next call's): the rows
 // are short, and this many at once defeat the hardware prefetcher.
+template <ScaleFormat F>
 inline void prefetch_block(const Matrix& m, int64_t r0) {
   int64_t r1 = std::min(r0 + kRows, m.rows);
   if (r0 >= r1) {
@@ -131,9 +159,10 @@ inline void prefetch_block(const Matrix& m, int64_t r0) {
   for (int64_t at = 0; at < (r1 - r0) * m.row_bytes; at += 64) {
     __builtin_prefetch(w + at);
   }
-  for (int64_t at = 0; at < (r1 - r0) * m.groups; at += 16) {
-    __builtin_prefetch(m.scales + r0 * m.groups + at);
-    __builtin_prefetch(m.biases + r0 * m.groups + at);
+  constexpr int64_t size = scale_size<F>();
+  for (int64_t at = 0; at < (r1 - r0) * m.groups * size; at += 64) {
+    __builtin_prefetch(m.scales + r0 * m.groups * size + at);
+    __builtin_prefetch(m.biases + r0 * m.groups * size + at);
   }
 }
 
@@ -143,27 +172,28 @@ inline void prefetch_block(const Matrix& m, int64_t r0) {
 // values is `bits` words of each row, value i at bit i * bits (LSB first, as
 // MLX's byte-wise unpacking reads it). Rows past the end repeat the last row
 // and are not stored.
-template <int bits>
+template <int bits, ScaleFormat F>
 void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
   constexpr int n = kRows;
+  constexpr int64_t size = scale_size<F>();
   const uint32_t* row[n];
-  const float *sc[n], *bi[n];
+  const uint8_t *sc[n], *bi[n];
   for (int j = 0; j < n; j++) {
     int64_t r = std::min(r0 + j, m.rows - 1);
     row[j] = reinterpret_cast<const uint32_t*>(m.w + r * m.row_bytes);
-    sc[j] = m.scales + r * m.groups;
-    bi[j] = m.biases + r * m.groups;
+    sc[j] = m.scales + r * m.groups * size;
+    bi[j] = m.biases + r * m.groups * size;
   }
   const int chunks = m.group_size / 32;
-  prefetch_block(m, r0 + n);
+  prefetch_block<F>(m, r0 + n);
   VF acc0 = {}, acc1 = acc0;
   for (int64_t g = 0; g < m.groups; g++) {
     VF s0, s1, b0, b1;
     for (int j = 0; j < kLanes; j++) {
-      s0[j] = sc[j][g];
-      b0[j] = bi[j][g];
-      s1[j] = sc[j + kLanes][g];
-      b1[j] = bi[j + kLanes][g];
+      s0[j] = scale_at<F>(sc[j], g);
+      b0[j] = scale_at<F>(bi[j], g);
+      s1[j] = scale_at<F>(sc[j + kLanes], g);
+      b1[j] = scale_at<F>(bi[j + kLanes], g);
     }
     for (int c = 0; c < chunks; c++) {
       int64_t word = (g * chunks + c) * bits;
@@ -194,16 +224,25 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
 
 using RowsFn = void (*)(const Matrix&, int64_t, const float*, float*);
 
-RowsFn rows_fn(int bits) {
+template <ScaleFormat F>
+RowsFn rows_fn_of(int bits) {
   switch (bits) {
-    case 2: return rows_block<2>;
-    case 3: return rows_block<3>;
-    case 4: return rows_block<4>;
-    case 5: return rows_block<5>;
-    case 6: return rows_block<6>;
-    case 8: return rows_block<8>;
+    case 2: return rows_block<2, F>;
+    case 3: return rows_block<3, F>;
+    case 4: return rows_block<4, F>;
+    case 5: return rows_block<5, F>;
+    case 6: return rows_block<6, F>;
+    case 8: return rows_block<8, F>;
   }
   throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
+}
+
+RowsFn rows_fn(int bits, ScaleFormat format = ScaleFormat::F32) {
+  switch (format) {
+    case ScaleFormat::BF16: return rows_fn_of<ScaleFormat::BF16>(bits);
+    case ScaleFormat::F16: return rows_fn_of<ScaleFormat::F16>(bits);
+    default: return rows_fn_of<ScaleFormat::F32>(bits);
+  }
 }
 
 // Rows [begin, end) of m @ x.
@@ -224,8 +263,8 @@ Matrix matrix(const mx::array& w, const mx::array& s, const mx::array& b,
   m.groups = s.shape(-1);
   m.group_size = spec.group_size;
   m.w = w.data<uint8_t>() + e * m.rows * m.row_bytes;
-  m.scales = s.data<float>() + e * m.rows * m.groups;
-  m.biases = b.data<float>() + e * m.rows * m.groups;
+  m.scales = s.data<uint8_t>() + e * m.rows * m.groups * 4;
+  m.biases = b.data<uint8_t>() + e * m.rows * m.groups * 4;
   return m;
 }
 
@@ -263,6 +302,36 @@ static int threads_or_all(int threads) {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+// The routed experts of `pairs` (token, k) pairs: gate and up, SwiGLU, down,
+// each pair's output rows split over threads. mat(p, pair) is projection p
+// (gate, up, down) of the pair's expert.
+static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
+                      int64_t hidden, int64_t d_out,
+                      const std::function<Matrix(int, int64_t)>& mat,
+                      const RowsFn (&fn)[3], float* y, int threads) {
+  std::vector<float> h(pairs * hidden), g(pairs * hidden);
+  int64_t hb = (hidden + kBlock - 1) / kBlock;
+  parallel_for(int(pairs * hb), threads, [&](int task) {
+    int64_t pair = task / hb, r0 = task % hb * kBlock;
+    int64_t r1 = std::min(hidden, r0 + kBlock);
+    const float* xt = x + pair / k * d_in;
+    float* hp = h.data() + pair * hidden;
+    float* gp = g.data() + pair * hidden;
+    matvec(mat(0, pair), fn[0], r0, r1, xt, gp);
+    matvec(mat(1, pair), fn[1], r0, r1, xt, hp);
+    for (int64_t r = r0; r < r1; r++) {
+      hp[r] = swiglu(gp[r], hp[r]);
+    }
+  });
+  int64_t db = (d_out + kBlock - 1) / kBlock;
+  parallel_for(int(pairs * db), threads, [&](int task) {
+    int64_t pair = task / db, r0 = task % db * kBlock;
+    int64_t r1 = std::min(d_out, r0 + kBlock);
+    matvec(mat(2, pair), fn[2], r0, r1, h.data() + pair * hidden,
+           y + pair * d_out);
+  });
+}
+
 static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
                            const std::vector<QuantSpec>& specs, int threads) {
   const auto& x = in[0];
@@ -277,34 +346,51 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
       throw std::out_of_range("moestream kernel: a slot id past the slots");
     }
   }
-  auto mat = [&](int p, int64_t pair) {
-    return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
-                  slot[pair]);
-  };
-  RowsFn fg = rows_fn(specs[0].bits), fu = rows_fn(specs[1].bits),
-         fd = rows_fn(specs[2].bits);
-  std::vector<float> h(pairs * hidden), g(pairs * hidden);
-  int64_t hb = (hidden + kBlock - 1) / kBlock;
-  parallel_for(int(pairs * hb), threads, [&](int task) {
-    int64_t pair = task / hb, r0 = task % hb * kBlock;
-    int64_t r1 = std::min(hidden, r0 + kBlock);
-    const float* xt = x.data<float>() + pair / k * d_in;
-    float* hp = h.data() + pair * hidden;
-    float* gp = g.data() + pair * hidden;
-    matvec(mat(0, pair), fg, r0, r1, xt, gp);
-    matvec(mat(1, pair), fu, r0, r1, xt, hp);
-    for (int64_t r = r0; r < r1; r++) {
-      hp[r] = swiglu(gp[r], hp[r]);
+  const RowsFn fn[3] = {rows_fn(specs[0].bits), rows_fn(specs[1].bits),
+                        rows_fn(specs[2].bits)};
+  run_pairs(
+      x.data<float>(), pairs, k, d_in, hidden, d_out,
+      [&](int p, int64_t pair) {
+        return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
+                      slot[pair]);
+      },
+      fn, out.data<float>(), threads);
+}
+
+static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
+                                  mx::array& out, const ExpertCache& cache,
+                                  const std::vector<MappedProjection>& proj,
+                                  int threads) {
+  const auto& x = in[0];
+  const auto& ids = in[1];
+  int64_t pairs = ids.size(), k = ids.shape(-1), d_in = x.shape(-1);
+  const uint32_t* expert = ids.data<uint32_t>();
+  for (int64_t p = 0; p < pairs; p++) {
+    if (expert[p] >= uint32_t(cache.num_experts)) {
+      throw std::out_of_range("moestream kernel: an expert id past the layer's");
     }
-  });
-  int64_t db = (d_out + kBlock - 1) / kBlock;
-  float* y = out.data<float>();
-  parallel_for(int(pairs * db), threads, [&](int task) {
-    int64_t pair = task / db, r0 = task % db * kBlock;
-    int64_t r1 = std::min(d_out, r0 + kBlock);
-    matvec(mat(2, pair), fd, r0, r1, h.data() + pair * hidden,
-           y + pair * d_out);
-  });
+  }
+  const RowsFn fn[3] = {rows_fn(proj[0].spec.bits, proj[0].format),
+                        rows_fn(proj[1].spec.bits, proj[1].format),
+                        rows_fn(proj[2].spec.bits, proj[2].format)};
+  run_pairs(
+      x.data<float>(), pairs, k, d_in, proj[0].rows, proj[2].rows,
+      [&](int p, int64_t pair) {
+        const MappedProjection& q = proj[p];
+        const uint8_t* record = cache.mapped_record(int(expert[pair]));
+        Matrix m;
+        m.rows = q.rows;
+        m.row_bytes = q.row_bytes;
+        m.cols = q.row_bytes * 8 / q.spec.bits;
+        m.groups = q.groups;
+        m.group_size = q.spec.group_size;
+        m.w = record + q.weight;
+        m.scales = record + q.scales;
+        m.biases = record + q.biases;
+        m.format = q.format;
+        return m;
+      },
+      fn, out.data<float>(), threads);
 }
 
 // Allocates `out` and runs `task` on the CPU stream's thread, inputs kept alive.
@@ -337,6 +423,20 @@ void ExpertMlp::eval_gpu(const std::vector<mx::array>&,
 bool ExpertMlp::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const ExpertMlp&>(other);
   return specs_ == o.specs_ && threads_ == o.threads_;
+}
+
+void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  dispatch(stream(), inputs, outputs[0],
+           [inputs, out = outputs[0], cache = cache_, proj = projections_,
+            threads = threads_or_all(threads_)]() mutable {
+             expert_mlp_mapped_run(inputs, out, *cache, proj, threads);
+           });
+}
+
+void ExpertMlpMapped::eval_gpu(const std::vector<mx::array>&,
+                               std::vector<mx::array>&) {
+  throw std::runtime_error("moestream's mapped expert kernel runs on a CPU only");
 }
 
 static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
@@ -410,6 +510,56 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
   return mx::array(shape, mx::float32,
                    std::make_shared<ExpertMlp>(s, specs, threads),
                    std::move(inputs));
+}
+
+mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
+                            std::shared_ptr<ExpertCache> cache,
+                            std::vector<MappedProjection> projections,
+                            int threads) {
+  if (projections.size() != 3) {
+    throw std::invalid_argument(
+        "moestream kernel: gate, up and down projections expected");
+  }
+  if (!cache->mapped()) {
+    throw std::invalid_argument(
+        "moestream kernel: the cache has not mapped its blob (map_blob)");
+  }
+  int64_t d_in = x.shape(-1);
+  check_float32(x, "x");
+  for (auto& q : projections) {
+    int64_t size = q.format == ScaleFormat::F32 ? 4 : 2;
+    check_spec(q.spec, q.row_bytes * 8 / q.spec.bits);
+    if (q.rows <= 0 || q.groups * q.spec.group_size != q.row_bytes * 8 / q.spec.bits ||
+        q.weight < 0 || q.scales < 0 || q.biases < 0 ||
+        q.weight + q.rows * q.row_bytes > cache->record_nbytes ||
+        q.scales + q.rows * q.groups * size > cache->record_nbytes ||
+        q.biases + q.rows * q.groups * size > cache->record_nbytes) {
+      throw std::invalid_argument(
+          "moestream kernel: a projection does not fit its expert record");
+    }
+  }
+  if (projections[0].row_bytes * 8 / projections[0].spec.bits != d_in ||
+      projections[1].rows != projections[0].rows ||
+      projections[2].row_bytes * 8 / projections[2].spec.bits !=
+          projections[0].rows) {
+    throw std::invalid_argument(
+        "moestream kernel: gate, up and down disagree with x on their sizes");
+  }
+  auto s = mx::default_stream(mx::Device(mx::Device::cpu));
+  std::vector<mx::array> inputs = {
+      mx::contiguous(mx::reshape(x, {-1, int(d_in)}, s), false, s),
+      mx::contiguous(mx::astype(experts, mx::uint32, s), false, s)};
+  if (inputs[0].shape(0) * experts.shape(-1) != experts.size()) {
+    throw std::invalid_argument(
+        "moestream kernel: x and the expert ids disagree on the tokens");
+  }
+  auto shape = experts.shape();
+  shape.push_back(int(projections[2].rows));
+  return mx::array(
+      shape, mx::float32,
+      std::make_shared<ExpertMlpMapped>(s, std::move(cache),
+                                        std::move(projections), threads),
+      std::move(inputs));
 }
 
 mx::array quant_matmul(const mx::array& x, const mx::array& w,

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "mlx/array.h"
@@ -22,6 +23,22 @@ struct QuantSpec {
   int bits, group_size;
   bool operator==(const QuantSpec&) const = default;
 };
+
+// How a record stores a projection's scales and biases: float32 is what the
+// kernel computes in; bfloat16 and float16 widen exactly (cast.h).
+enum class ScaleFormat : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// One projection inside an expert record (RuntimeConfig.mapped): offsets of
+// its packed weight `[rows, row_bytes / 4]` and its scales and biases
+// `[rows, groups]` from the record's start.
+struct MappedProjection {
+  int64_t weight, scales, biases;
+  int64_t rows, row_bytes, groups;
+  ScaleFormat format;
+  QuantSpec spec;
+};
+
+class ExpertCache; // expert_cache.h
 
 // Runs fn(0..n-1) over `threads` threads (the caller's among them).
 void parallel_for(int n, int threads, const std::function<void(int)>& fn);
@@ -66,6 +83,39 @@ class QuantMatmul : public mx::Primitive {
   QuantSpec spec_;
   int threads_;
 };
+
+// ExpertMlp on records read in place: inputs x `[T, D]` and the routed
+// expert ids `[T, k]` (a mapped cache's fetch: verified and read ahead), each
+// expert's gate, up and down read from the cache's mapping of its blob.
+class ExpertMlpMapped : public mx::Primitive {
+ public:
+  ExpertMlpMapped(mx::Stream s, std::shared_ptr<ExpertCache> cache,
+                  std::vector<MappedProjection> projections, int threads)
+      : mx::Primitive(s),
+        cache_(std::move(cache)),
+        projections_(std::move(projections)),
+        threads_(threads) {}
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&,
+                std::vector<mx::array>&) override;
+  const char* name() const override {
+    return "ExpertMlpMapped";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return false; // reads a mapping, not its inputs
+  }
+
+ private:
+  std::shared_ptr<ExpertCache> cache_;
+  std::vector<MappedProjection> projections_; // gate, up, down
+  int threads_;
+};
+
+mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
+                            std::shared_ptr<ExpertCache> cache,
+                            std::vector<MappedProjection> projections,
+                            int threads);
 
 mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      const std::vector<mx::array>& weights,

@@ -1,6 +1,8 @@
 #include "expert_cache.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -273,6 +275,9 @@ ExpertCache::ExpertCache(
 }
 
 ExpertCache::~ExpertCache() {
+  if (map_) {
+    ::munmap(map_, map_len_);
+  }
   if (fd_ >= 0) {
     ::close(fd_);
   }
@@ -406,6 +411,129 @@ void ExpertCache::open_direct() {
   dfd_ = fd;
 }
 
+void ExpertCache::checksum_failed(int expert) {
+  throw ReadError("Expert " + std::to_string(expert) + " of layer " +
+                  std::to_string(layer_) + " in " + path_ +
+                  " fails its checksum; the file is corrupted: convert again.");
+}
+
+void ExpertCache::map_blob() {
+  if (map_) {
+    return;
+  }
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) {
+    throw std::runtime_error(os_error("Cannot stat " + path_));
+  }
+  int64_t end = data_offset_ + int64_t(num_experts - 1) * stride_ + record_nbytes;
+  if (st.st_size < end) {
+    throw std::invalid_argument(
+        path_ + " holds " + std::to_string(st.st_size) + " bytes, its " +
+        std::to_string(num_experts) + " expert records need " +
+        std::to_string(end) + ": the file is truncated; convert again.");
+  }
+  void* p = ::mmap(nullptr, end, PROT_READ, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    throw std::runtime_error(os_error("Cannot map " + path_));
+  }
+  map_ = static_cast<uint8_t*>(p);
+  map_len_ = end;
+}
+
+namespace {
+const int64_t kPage = ::sysconf(_SC_PAGESIZE);
+} // namespace
+
+std::pair<uint8_t*, int64_t> ExpertCache::record_pages(int expert) const {
+  int64_t begin = data_offset_ + int64_t(expert) * stride_;
+  int64_t first = begin / kPage * kPage;
+  int64_t last = (begin + record_nbytes + kPage - 1) / kPage * kPage;
+  return {map_ + first, last - first};
+}
+
+void ExpertCache::unmap_pages() {
+  if (map_) {
+    ::madvise(map_, map_len_, MADV_DONTNEED);
+  }
+}
+
+int64_t ExpertCache::absent_bytes(int expert) {
+  auto [pages, len] = record_pages(expert);
+  std::vector<unsigned char> in(len / kPage);
+  if (::mincore(pages, len, in.data()) != 0) {
+    return record_nbytes; // unknown: count it read
+  }
+  int64_t absent = 0;
+  for (auto v : in) {
+    absent += (v & 1) ? 0 : kPage;
+  }
+  return std::min(absent, record_nbytes);
+}
+
+void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
+                                 int tokens, uint32_t* out, CallRecord* rec) {
+  std::vector<char> seen(num_experts, 0);
+  std::vector<int> unique, missing;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t e = experts[i];
+    if (e >= uint32_t(num_experts)) {
+      throw std::runtime_error("routed expert id out of range");
+    }
+    if (!seen[e]) {
+      seen[e] = 1;
+      unique.push_back(int(e));
+    }
+  }
+  if (rec) {
+    rec->prefetched = std::exchange(hinted_, {});
+  }
+  for (int e : unique) {
+    uses[e].fetch_add(1, std::memory_order_relaxed);
+    if (prefetched_[e]) {
+      counters.prefetched_used += 1;
+    }
+    int64_t absent = absent_bytes(e);
+    if (absent == 0) {
+      counters.hits += 1;
+      if (rec) {
+        rec->hits += 1;
+      }
+    } else {
+      counters.misses += 1;
+      counters.bytes_read += absent;
+      if (prefetched_[e]) {
+        counters.misses_prefetched += 1;
+      }
+      if (rec) {
+        rec->misses += 1;
+        rec->bytes_read += absent;
+      }
+      missing.push_back(e);
+    }
+    prefetched_[e] = 0;
+  }
+  // Every miss of the call in flight at once, before anything waits on one.
+  for (int e : missing) {
+    auto [pages, len] = record_pages(e);
+    ::madvise(pages, len, MADV_WILLNEED);
+  }
+  if (verify_) {
+    for (int e : unique) {
+      if (verified_[e]) {
+        continue;
+      }
+      if (crc32(mapped_record(e), record_nbytes) != checksums_[e]) {
+        checksum_failed(e);
+      }
+      verified_[e] = 1;
+    }
+  }
+  used(unique, tokens);
+  for (int64_t i = 0; i < n; i++) {
+    out[i] = experts[i];
+  }
+}
+
 void ExpertCache::read_record(int expert, uint8_t* dst) {
   bool check = verify_ && !verified_[expert];
   // One record in pieces on the reader threads: a miss waits for the slowest
@@ -428,10 +556,7 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
       crc = crc32_combine(crc, crcs[i], length(i));
     }
     if (crc != checksums_[expert]) {
-      throw ReadError(
-          "Expert " + std::to_string(expert) + " of layer " +
-          std::to_string(layer_) + " in " + path_ +
-          " fails its checksum; the file is corrupted: convert again.");
+      checksum_failed(expert);
     }
     verified_[expert] = 1;
   }
@@ -493,6 +618,8 @@ void ExpertCache::hint(const uint32_t* experts, int64_t n) {
       if (!tier_->read_ahead(shared_from_this(), tier_base_ + e, int(e))) {
         continue;
       }
+    } else if (map_ && absent_bytes(int(e)) == 0) {
+      continue; // mapped, and in the page cache already
     } else if (dfd_ >= 0) {
       continue; // kernel readahead fills a page cache direct reads skip
     } else {
@@ -541,7 +668,9 @@ void ExpertCache::resolve_call(
     int64_t call, const UseRecord& use) {
   CallRecord record{call};
   CallRecord* rec = recording_ && call >= 0 ? &record : nullptr;
-  if (tier_) {
+  if (map_) {
+    resolve_mapped(experts, n, tokens, out, rec);
+  } else if (tier_) {
     resolve_through_tier(experts, n, tokens, out, use, rec);
   } else {
     resolve(experts, n, tokens, out, [&](int e, int s) {

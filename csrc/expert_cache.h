@@ -131,6 +131,24 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   bool direct() const {
     return dfd_ >= 0;
   }
+  // RuntimeConfig.mapped: map the blob read-only and resolve each call to
+  // its experts' ids, not slots: the kernel (ExpertMlpMapped) reads each
+  // routed record where the page cache holds it, and nothing is copied. A
+  // call counts a record a hit when every page of it is in the page cache
+  // (mincore), else a miss whose absent bytes it counts read; it asks the
+  // kernel to read a call's misses at once (MADV_WILLNEED) and checks each
+  // record's checksum the first time it is routed. Once, at load; throws one
+  // line when the file is shorter than its records.
+  void map_blob();
+  bool mapped() const {
+    return map_ != nullptr;
+  }
+  // Take the mapping's pages out of this process's page tables (the page
+  // cache keeps them, until dropped: a cold benchmark's start).
+  void unmap_pages();
+  const uint8_t* mapped_record(int expert) const {
+    return map_ + data_offset_ + int64_t(expert) * stride_;
+  }
   // O_DIRECT needs the file offset, the length and the destination aligned
   // to the device's logical block; 4 KiB covers every Linux block size.
   static constexpr int64_t kDirectAlign = 4096;
@@ -186,6 +204,14 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // `resolve` as a new call of the host tier: the misses' records are read
   // through the tier and handed to `use`. If a read fails, every miss of the
   // call leaves its slot and the error is rethrown.
+  // `resolve` for a mapped blob: `out` is `experts`.
+  void resolve_mapped(const uint32_t* experts, int64_t n, int tokens,
+                      uint32_t* out, CallRecord* rec);
+  // Bytes of the record's pages that are not in the page cache.
+  int64_t absent_bytes(int expert);
+  // The whole pages of the mapping that hold a record.
+  std::pair<uint8_t*, int64_t> record_pages(int expert) const;
+  [[noreturn]] void checksum_failed(int expert);
   void resolve_through_tier(const uint32_t* experts, int64_t n, int tokens,
                             uint32_t* out, const UseRecord& use,
                             CallRecord* rec);
@@ -203,6 +229,8 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
 
   int fd_;
   int dfd_{-1}; // O_DIRECT, when direct_io
+  uint8_t* map_{nullptr}; // the whole blob, read-only, when mapped
+  int64_t map_len_{0};
   int64_t data_offset_, stride_;
   std::vector<uint32_t> checksums_;
   std::vector<char> verified_;

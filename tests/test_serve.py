@@ -414,10 +414,11 @@ def test_serve_and_chat_take_every_engine_flag() -> None:
         "record_trace",  # --trace FILE
         "concurrency",  # --decode-concurrency
     }
-    # the budgets are checked below, host_budget and direct_io (the native
-    # engine's, refused beside --engine python) by their errors
+    # the budgets are checked below, host_budget, direct_io and mapped (the
+    # native engine's, refused beside --engine python) by their errors
     given = {f for _, f, _ in ENGINE_FLAGS.values()}
-    assert given == expected - {"memory_budget", "host_budget", "direct_io"}
+    native = {"host_budget", "direct_io", "mapped"}
+    assert given == expected - {"memory_budget"} - native
     run_help = {p.name: p.help for p in run_main.params}
     for command in (serve_cmd, chat_cmd):
         params = {p.name: p for p in command.params}

@@ -52,6 +52,7 @@ RUNTIME_CHOICES: dict[str, list] = {
     "direct_io": [False, True],  # the native engine only
     "cpu_kernel": [None, False],  # True: the python engine too
     "kernel_threads": [0, 1],
+    "mapped": [False, True] if native.available() else [False],
 }
 FAST_CASES, SLOW_CASES = 30, 1000
 FAST_SETS, SLOW_SETS = 8, 60  # option sets per run
@@ -66,6 +67,10 @@ def draw_options(rng: random.Random) -> dict:
         options["direct_io"] = False  # refused by name (test_direct_io.py)
     if options["engine"] == "python":
         options["host_budget"] = None  # refused by name (tested)
+    if options["mapped"]:  # what it has no use for is refused by name (tested)
+        options.update(engine="native", cpu_kernel=None, host_budget=None)
+        options.update(direct_io=False, cache_experts=None, memory_budget=None)
+        options["dtype"] = "float32"  # the CPU kernel's
     return options
 
 
@@ -161,7 +166,7 @@ def test_every_field_is_drawn() -> None:
     assert list(RUNTIME_CHOICES) == [f.name for f in fields(RuntimeConfig)]
     for name, values in RUNTIME_CHOICES.items():
         for v in values:
-            native_only = ("host_budget", "direct_io")
+            native_only = ("host_budget", "direct_io", "mapped")
             engine = "native" if name in native_only else "python"
             RuntimeConfig(**{"engine": engine, name: v})  # each choice is valid
 
@@ -170,7 +175,7 @@ def test_stress_fast(converted, reference, other_dtypes) -> None:
     s = stress(Stress(converted, reference, other_dtypes), FAST_CASES, FAST_SETS, 1)
     assert s.cases == FAST_CASES
     print(f"stress: {s.cases} cases, {s.steps} steps, {len(s.models)} option sets")
-    small = [m for k, m in s.models.items() if dict(k)["cache_experts"] < 8]
+    small = [m for k, m in s.models.items() if (dict(k)["cache_experts"] or 8) < 8]
     st = [moestream.stats(m) for m in small]
     assert sum(x.evictions for x in st) > 0 and sum(x.grouped_calls for x in st) > 0
 
@@ -303,6 +308,9 @@ def test_stress_every_family(family, tmp_path) -> None:
         o = case.options
         least = min(experts, o["concurrency"] * top_k)  # or the plan refuses
         o["cache_experts"] = rng.randint(1 if o["concurrency"] == 1 else least, experts)
+        # Slots here (families whose experts the CPU kernel does not cover
+        # refuse mapped; test_mapped.py runs it).
+        o["mapped"] = False
         case.prompts = [[t % vocab for t in p] for p in case.prompts]
         s.run(case)
     assert s.cases == FAMILY_CASES

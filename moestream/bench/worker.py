@@ -121,7 +121,9 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
     context = job.prompt_tokens + job.decode_tokens + 1
     if job.runtime.verify:  # as load will: its read buffers stay in RSS
         check_files(out, load_manifest(out))
-    budget = budget_for(out, job.capacity, context, job.runtime)
+    # Mapped: no slots, so no budget of them (the page cache holds experts).
+    mapped = job.runtime.mapped
+    budget = None if mapped else budget_for(out, job.capacity, context, job.runtime)
     gc.collect()
     # The model's routers cannot predict forced routes: prefetch runs on the
     # trace's recorded predictions, or not at all when it has none.
@@ -129,7 +131,7 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
     predicts = trace is None or trace.predicts
     options = replace(
         job.runtime,
-        cache_experts=job.capacity,
+        cache_experts=None if mapped else job.capacity,
         memory_budget=budget,
         context=context,
         record_trace=True,
@@ -140,8 +142,17 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
         force_routes(model, trace, options.prefetch_extra)
     runtime = runtime_of(model)
     if job.cold:
-        runtime.store.drop_cache()
+        _drop_cache(runtime)
     return model, runtime
+
+
+def _drop_cache(runtime: object) -> None:
+    """Drop the blobs from the page cache; a mapped engine's pages leave its
+    mapping first (a page some process maps is not dropped)."""
+    for cache in runtime.stats.native_layers.values():
+        if cache.mapped:
+            cache.unmap_pages()
+    runtime.store.drop_cache()
 
 
 def _forced(job: Job, model: nn.Module) -> nn.Module:
@@ -156,21 +167,24 @@ def _restart(job: Job, runtime: object | None) -> None:
     if runtime is None:
         return
     if job.cold:
-        runtime.store.drop_cache()
+        _drop_cache(runtime)
     runtime.stats.reset()
 
 
 def _streaming_result(job: Job, runtime: object, n: int) -> dict:
     """The streaming engine's counters, bytes per token, plan and replays."""
     s = runtime.stats.collect()  # the native engine's counters
-    capacity, cfg = runtime.plan.capacity, job.runtime
+    plan, cfg = runtime.plan, job.runtime
+    # Mapped: no slots; the replays say what the row's slots would hit, and
+    # the plan holds all but the experts.
+    capacity = job.capacity if plan.mapped else plan.capacity
     return {
         **s.as_dict(),
         "bytes_per_token": s.bytes_read / max(n, 1),
         "fill_bytes_per_token": s.fill_bytes / max(n, 1),
-        "budget": runtime.plan.budget,
-        "capacity": capacity,
-        "host_tier": runtime.plan.host_tier,
+        "budget": plan.total if plan.mapped else plan.budget,
+        "capacity": plan.capacity,
+        "host_tier": plan.host_tier,
         "replay": replay_all(s.routing(), capacity, cfg.policy, cfg.lrfu_decay),
     }
 

@@ -108,6 +108,14 @@ class RuntimeConfig:
         Layers it does not cover (other activations, biases, other dtypes)
         run MLX's ops.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
+    mapped: on a CPU, the native engine maps each blob read-only and the CPU
+        kernel computes every routed expert where its record lies in the page
+        cache, copying nothing into slots (the page cache is then the expert
+        cache, as llama.cpp's mmap makes it; memory_budget covers the rest).
+        A call asks the kernel to read its absent records at once and the
+        prediction reads ahead as with slots; each record's checksum is
+        checked the first time it is routed. Needs the CPU kernel (float32,
+        SwiGLU experts). docs/beyond-ram.md measures it against slots.
     """
 
     memory_budget: int | str | None = None
@@ -130,6 +138,7 @@ class RuntimeConfig:
     direct_io: bool = False
     cpu_kernel: bool | None = None
     kernel_threads: int = 0
+    mapped: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.concurrency, int) and self.concurrency >= 1):
@@ -166,10 +175,25 @@ class RuntimeConfig:
                 "belongs to the native engine: use engine='native' or leave "
                 "direct_io off."
             )
+        if self.mapped:
+            self._check_mapped()
         for name, low, high in BOUNDS:
             value = getattr(self, name)
             if not low <= value <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}.")
+
+    def _check_mapped(self) -> None:
+        """`mapped` with what it has no use for: one line each."""
+        clashes = [
+            (self.engine_used == "python", "engine='python' (it copies into slots)"),
+            (self.cpu_kernel is False, "cpu_kernel=False (the kernel reads the map)"),
+            (self.cache_experts is not None, "cache_experts (it has no slots)"),
+            (self.host_budget is not None, "host_budget (the page cache is its tier)"),
+            (self.direct_io, "direct_io (it reads through the page cache)"),
+        ]
+        for clash, what in clashes:
+            if clash:
+                raise ValueError(f"mapped cannot run with {what}; leave one unset.")
 
     @property
     def rows_whole(self) -> bool:

@@ -247,6 +247,7 @@ class NativeEngine(_Base):
             device_resolve=config.device_resolve,
             readers=config.readers,
             direct_io=config.direct_io,
+            mapped=config.mapped,
         )
         stats.native.append(self.cache)
         stats.native_layers[layer.layer] = self.cache

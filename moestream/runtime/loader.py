@@ -84,6 +84,7 @@ class MemoryPlan:
     host_record: int = 0
     host_budget: int | None = None
     host_pinned: bool = False
+    mapped: bool = False  # RuntimeConfig.mapped: no slots (capacity 0)
 
     @property
     def host_tier(self) -> int:
@@ -105,8 +106,12 @@ class MemoryPlan:
             f"memory plan: process {h(self.process)} + dense {h(self.dense)} + KV "
             f"{h(self.kv_cache)}{seqs} + activations {h(self.activations)} + staging "
             f"{h(self.staging)} + reserve {h(self.reserve)} + experts "
-            f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer) = "
-            f"{h(self.total)}"
+            + (
+                "mapped (the page cache holds them)"
+                if self.mapped
+                else f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer)"
+            )
+            + f" = {h(self.total)}"
             + (f" of {h(self.budget)}" if self.budget else "")
             + self.describe_host()
         )
@@ -168,6 +173,8 @@ def load(
     model, manifest, model_config, switches, layers = _build(
         directory, manifest, model_config, compute, shard
     )
+    if cfg.mapped:
+        native.require_mapped(cfg, compute)
     plan = _plan_model(manifest, model_config, model, compute, process, cfg)
     log.info(plan.describe())
     _bound_allocators(plan)
@@ -303,7 +310,7 @@ def _plan_model(
     process: int,
     cfg: RuntimeConfig,
 ) -> MemoryPlan:
-    budget = cfg.memory_budget
+    budget = parse_size(cfg.memory_budget) if cfg.memory_budget is not None else None
     plan = plan_memory(
         manifest,
         config,
@@ -311,12 +318,27 @@ def _plan_model(
         compute,
         process,
         cfg.context,
-        parse_size(budget) if budget is not None else None,
+        None if cfg.mapped else budget,
         cfg.cache_experts,
         cfg.spare_slot,
         cfg.concurrency,
     )
+    if cfg.mapped:
+        return _plan_mapped(plan, budget)
     return plan_host_tier(plan, manifest, cfg)
+
+
+def _plan_mapped(plan: MemoryPlan, budget: int | None) -> MemoryPlan:
+    """RuntimeConfig.mapped: no slots; the budget holds the rest."""
+    plan = replace(plan, capacity=0, budget=budget, mapped=True)
+    if budget is not None and plan.total > budget:
+        raise BudgetError(
+            f"Dense weights, KV cache and activations need "
+            f"{human_bytes(plan.total, up=True)}, more than the budget "
+            f"{human_bytes(budget)}; give --memory-budget "
+            f"{human_bytes(plan.total, up=True)} or more, or a shorter --context."
+        )
+    return plan
 
 
 def plan_host_tier(

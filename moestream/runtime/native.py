@@ -133,10 +133,13 @@ def expert_cache(
     device_resolve: bool = True,
     readers: int = 8,
     direct_io: bool = False,
+    mapped: bool = False,
 ) -> object:
-    """The native cache of one MoE layer over its evaluated slot arrays;
-    `record_calls` keeps each call's counts (RuntimeStats.events);
-    `device_resolve`, `readers` and `direct_io`: RuntimeConfig's."""
+    """The native cache of one MoE layer over its evaluated slot arrays (with
+    `mapped`, over its blob mapped read-only: the slot arrays only give the
+    float dtype); `record_calls` keeps each call's counts
+    (RuntimeStats.events); `device_resolve`, `readers`, `direct_io` and
+    `mapped`: RuntimeConfig's."""
     require()
     segments = [
         (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
@@ -149,16 +152,22 @@ def expert_cache(
         stride=layer.stride,
         record_nbytes=layer.record_nbytes,
         num_experts=layer.num_experts,
-        capacity=capacity,
+        capacity=layer.num_experts if mapped else capacity,  # mapped: unused
         segments=segments,
         checksums=[int(c, 16) for c in layer.checksums] if verify else [],
         verify=verify,
         policy=policy,
         decay=decay,
-        max_pairs=max_pairs,
+        max_pairs=layer.num_experts if mapped else max_pairs,
         record_calls=record_calls,
     )
     _tune(cache, device_resolve, readers, direct_io)
+    if mapped:
+        try:
+            cache.map_blob()
+        except ValueError as e:
+            raise ExpertReadError(str(e)) from None
+        return cache
     cache.bind(slots, mx.default_device() != mx.cpu)
     if tier is not None:
         cache.attach(tier)
@@ -300,6 +309,70 @@ def expert_kernel(inner: SwitchGLU, config: RuntimeConfig) -> ExpertKernel | Non
     ):
         return None
     return ExpertKernel(inner, config.kernel_threads)
+
+
+# How a record stores scales and biases: the extension's ScaleFormat.
+SCALE_FORMATS = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+
+def require_mapped(config: RuntimeConfig, compute: mx.Dtype) -> None:
+    """RuntimeConfig.mapped needs the CPU kernel in float32: one line where
+    it cannot run."""
+    if mx.default_device() != mx.cpu:
+        raise NativeEngineError(
+            "mapped runs on the CPU kernel; on a GPU, leave mapped off."
+        )
+    if compute != mx.float32:
+        raise NativeEngineError(
+            f"mapped computes in float32 (the CPU kernel's), not {compute}; "
+            "use dtype='auto' or 'float32'."
+        )
+    if not _kernel_runs(config):
+        raise NativeEngineError(
+            "mapped needs moestream's CPU kernel, which does not reproduce this "
+            "MLX's quantized matmuls exactly; leave mapped off."
+        )
+
+
+class MappedKernel:
+    """`inner(x, experts)` of a SwitchGLU on the records of a mapped cache,
+    read in place: the CPU kernel's arithmetic, as on slots."""
+
+    def __init__(self, layer: ExpertLayer, cache: object, threads: int) -> None:
+        self.cache = cache
+        self.threads = threads
+        seg = {s.name: s for s in layer.segments}
+        self.projections = []
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            w, sc, b = (seg[f"{name}.{t}"] for t in ("weight", "scales", "biases"))
+            if sc.dtype != b.dtype or sc.dtype not in SCALE_FORMATS:
+                raise NativeEngineError(
+                    f"Layer {layer.layer}: mapped reads float scales and biases of "
+                    f"one dtype, not {sc.dtype} and {b.dtype}; leave mapped off."
+                )
+            rows, words = w.shape
+            offsets = (w.offset, sc.offset, b.offset)
+            shape = (rows, words * 4, sc.shape[1])
+            spec = (SCALE_FORMATS[sc.dtype], w.bits, w.group_size)
+            self.projections.append((*offsets, *shape, *spec))
+
+    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+        return _native.expert_mlp_mapped(
+            x, experts, self.cache, self.projections, self.threads
+        )
+
+
+def mapped_kernel(
+    inner: SwitchGLU, layer: ExpertLayer, cache: object, config: RuntimeConfig
+) -> MappedKernel:
+    """The kernel of a mapped layer: one line where the CPU kernel does not
+    cover `inner` (another activation, biases, another quantization)."""
+    if expert_kernel(inner, config) is None:
+        raise NativeEngineError(
+            f"Layer {layer.layer}: mapped needs SwiGLU experts with affine "
+            "quantization and no biases (the CPU kernel's); leave mapped off."
+        )
+    return MappedKernel(layer, cache, config.kernel_threads)
 
 
 class KernelLinear(nn.QuantizedLinear):

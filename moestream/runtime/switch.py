@@ -7,6 +7,9 @@ runs mlx-lm's SwitchGLU on the slot indices: same kernels, same activation
 and biases, so the result is bit-identical to the fully resident model (on a
 CPU, the extension's kernel computes the same bits, RuntimeConfig.cpu_kernel).
 The engine behind it (engines.py) maps experts to slots and reads misses.
+With RuntimeConfig.mapped there are no slots: the native engine resolves a
+call to the routed experts' ids and the CPU kernel reads their records in
+place, from the blob mapped into memory (the page cache is the expert cache).
 
 Slots are written in place. Every output a streaming layer returns is kept in
 a list shared by the model's layers and evaluated right after the next host
@@ -80,6 +83,13 @@ class StreamingSwitchGLU(nn.Module):
         # The routed experts of a call on their slots: the extension's exact
         # CPU kernel where it covers this layer, else mlx-lm's SwitchGLU.
         self._experts = native.expert_kernel(inner, config) or inner
+        # RuntimeConfig.mapped: no slots; the kernel reads each routed record
+        # in place (the engine's calls resolve to expert ids).
+        self._mapped = (
+            native.mapped_kernel(inner, layer, self._engine.cache, config)
+            if config.mapped
+            else None
+        )
 
     def chain(
         self, nxt: StreamingSwitchGLU, predict: Callable[[mx.array], mx.array]
@@ -140,6 +150,8 @@ class StreamingSwitchGLU(nn.Module):
         return targets
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self._mapped is not None:  # any number of pairs: nothing to group
+            return self._engine.finish(self._mapped(x, self.slots(x, indices)))
         if indices.size > self.capacity:
             return self._grouped(x, indices)
         table = self._engine.table

@@ -1,0 +1,169 @@
+"""RuntimeConfig.mapped: each blob mapped read-only and the CPU kernel reading
+every routed record in place, no slots. The logits are the resident model's
+bit for bit on every bit width, group sizes and stored float dtypes; its
+counters say what the page cache held; a corrupt record fails its checksum
+and a truncated blob (which a mapping would fault on) is refused at load,
+each in one line."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from builders.synthetic import tiny_qwen3_moe
+from helpers import PROMPT, corrupt_layer, logits_stepwise
+
+import moestream
+from moestream.bench.sysio import drop_cache
+from moestream.converter import convert
+from moestream.formats import FormatError, Recipe, load_manifest
+from moestream.reference import resident_model
+from moestream.runtime import ExpertReadError, RuntimeConfig, native
+from moestream.runtime.loader import BudgetError, plan_for
+
+pytestmark = pytest.mark.skipif(
+    not native.available() or not native.kernel_matches_mlx(),
+    reason="the native extension or its exact CPU kernel is not here",
+)
+
+# moe_intermediate_size 192: rows past a task of 64 (and of 32 lanes); every
+# input dimension a multiple of group size 64 (128 where the hidden size is).
+GEOMETRY = {"num_hidden_layers": 2, "mlp_only_layers": [], "moe_intermediate_size": 192}
+
+
+def _converted(root: Path, bits: str, group_size: int, dtype: mx.Dtype) -> Path:
+    hf = tiny_qwen3_moe(root / "hf", dtype=dtype, **GEOMETRY)
+    name = str(dtype).removeprefix("mlx.core.")
+    convert(str(hf), root / "out", bits, group_size, dtype=name, progress=False)
+    return hf
+
+
+@pytest.mark.parametrize(
+    "bits, group_size, dtype",
+    [
+        ("gate_proj=4,up_proj=4,down_proj=8", 64, mx.bfloat16),
+        ("gate_proj=2,up_proj=3,down_proj=5", 32, mx.float16),
+        ("gate_proj=6,up_proj=8,down_proj=4", 64, mx.float32),
+    ],
+    ids=["4-4-8-g64-bf16", "2-3-5-g32-f16", "6-8-4-g64-f32"],
+)
+def test_mapped_gives_the_resident_models_logits(
+    tmp_path: Path, bits: str, group_size: int, dtype: mx.Dtype
+):
+    hf = _converted(tmp_path, bits, group_size, dtype)
+    stored = load_manifest(tmp_path / "out").layers[0].segments
+    assert {s.dtype for s in stored if s.name.endswith("scales")} == {
+        str(dtype).removeprefix("mlx.core.")
+    }
+    model, _ = moestream.load(tmp_path / "out", mapped=True)
+    layers = [m for _, m in model.named_modules() if hasattr(m, "_mapped")]
+    assert layers and all(m._mapped is not None and m.capacity == 0 for m in layers)
+    name = str(dtype).removeprefix("mlx.core.")
+    reference = resident_model(hf, Recipe.parse(bits, group_size=group_size), name)
+    ours = logits_stepwise(model, PROMPT, steps=6)  # a prefill of many pairs first
+    theirs = logits_stepwise(reference, PROMPT, steps=6)
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert mx.array_equal(a, b).item(), f"step {step} differs"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mapped")
+    _converted(root, "gate_proj=4,up_proj=4,down_proj=4", 64, mx.bfloat16)
+    return root / "out"
+
+
+def test_no_slots_are_planned(converted: Path):
+    plan = plan_for(converted, RuntimeConfig(mapped=True))
+    slots = plan_for(converted, RuntimeConfig())
+    assert plan.mapped and plan.capacity == 0 and plan.pools == 0
+    assert slots.pools > 0 and plan.total < slots.total
+    assert (plan.dense, plan.kv_cache) == (slots.dense, slots.kv_cache)
+    assert "experts mapped" in plan.describe()
+    with pytest.raises(BudgetError, match="more than the budget") as e:
+        plan_for(converted, RuntimeConfig(mapped=True, memory_budget="1M"))
+    assert "\n" not in str(e.value)
+
+
+def test_counters_say_what_the_page_cache_held(converted: Path):
+    model, _ = moestream.load(converted, mapped=True, prefetch=False)
+    for layer in load_manifest(converted).layers:  # mapped, not yet touched
+        drop_cache(converted / layer.file)
+    prompt = mx.array(PROMPT[:4])
+    logits_stepwise(model, prompt, steps=1)
+    cold = moestream.stats(model)
+    assert cold.misses > 0 and cold.bytes_read > 0
+    moestream.stats(model).reset()
+    logits_stepwise(model, prompt, steps=1)  # the same routing, now cached
+    warm = moestream.stats(model)
+    assert warm.hits > 0 and warm.misses == 0 and warm.bytes_read == 0
+
+
+def test_a_corrupt_record_fails_its_checksum(tmp_path: Path):
+    _converted(tmp_path, "gate_proj=4,up_proj=4,down_proj=4", 64, mx.bfloat16)
+    out = tmp_path / "out"
+    corrupt_layer(out, load_manifest(out).layers[1])
+    model, _ = moestream.load(out, mapped=True)
+    with pytest.raises(ExpertReadError, match="fails its checksum") as e:
+        logits_stepwise(model, PROMPT, steps=1)
+    assert "\n" not in str(e.value) and "layer 1" in str(e.value)
+    # Unverified (the user asked for no checks), the same blob runs.
+    model, _ = moestream.load(out, mapped=True, verify=False)
+    logits_stepwise(model, PROMPT, steps=1)
+
+
+def test_a_truncated_blob_is_refused_at_load(tmp_path: Path):
+    _converted(tmp_path, "gate_proj=4,up_proj=4,down_proj=4", 64, mx.bfloat16)
+    out = tmp_path / "out"
+    blob = out / load_manifest(out).layers[0].file
+    with open(blob, "r+b") as f:
+        f.truncate(blob.stat().st_size - 4096)
+    with pytest.raises(FormatError, match="truncated") as e:
+        moestream.load(out, mapped=True, verify=False)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"engine": "python"}, "engine='python'"),
+        ({"cpu_kernel": False}, "cpu_kernel=False"),
+        ({"cache_experts": 4}, "cache_experts"),
+        ({"host_budget": "64M"}, "host_budget"),
+        ({"direct_io": True}, "direct_io"),
+    ],
+)
+def test_what_mapped_has_no_use_for_is_refused(options: dict, words: str):
+    with pytest.raises(ValueError, match="mapped cannot run with") as e:
+        RuntimeConfig(mapped=True, **options)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mapped_refuses_a_dtype_the_kernel_does_not_compute(converted: Path):
+    with pytest.raises(native.NativeEngineError, match="float32") as e:
+        moestream.load(converted, mapped=True, dtype="bfloat16")
+    assert "\n" not in str(e.value)
+
+
+def test_run_moe_mapped_generates_what_slots_generate(converted: Path):
+    from click.testing import CliRunner
+
+    from moestream.cli.run import main as run_main
+
+    def run(*flags: str) -> dict:
+        args = [str(converted), "-p", "def add", "--max-tokens", "10", "--json"]
+        r = CliRunner().invoke(run_main, [*args, *flags], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output.strip().splitlines()[-1])
+
+    mapped, slots = run("--mapped"), run("--cache-experts", "3")
+    assert mapped["tokens"] == slots["tokens"] and mapped["text"] == slots["text"]
+    assert mapped["stats"]["generation_tokens"] == len(mapped["tokens"])
+    r = CliRunner().invoke(
+        run_main, [str(converted), "-p", "x", "--mapped", "--cache-experts", "3"]
+    )
+    assert r.exit_code == 2
+    assert re.fullmatch(r"error: mapped cannot run with cache_experts.*\n", r.output)
