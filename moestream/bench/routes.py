@@ -168,28 +168,36 @@ def write_trace(
     )
 
 
+def _rows(table: mx.array, start: int, n: int) -> mx.array:
+    """Rows start..start+n of `table`, wrapping around: a slice of an array
+    already on the device (no host data per call) unless it wraps."""
+    total = table.shape[0]
+    start %= total
+    if start + n <= total:
+        return table[start : start + n]
+    return table[mx.array(np.arange(start, start + n) % total)]
+
+
 class ForcedRouter(nn.Module):
     """A router that returns logits choosing `ids` [tokens, k], token after token
-    (wrapping around); `gate`, the real router, still runs."""
+    (wrapping around); `gate`, the real router, still runs. The trace's logits
+    are made once, so a call slices them where they are (on a GPU, no copy
+    from the host per layer)."""
 
     def __init__(self, gate: nn.Module, ids: np.ndarray, num_experts: int):
         super().__init__()
         self.gate = gate
-        self._ids = ids.astype(np.int64)
-        self._experts = num_experts
+        forced = np.zeros((len(ids), num_experts), np.float32)
+        np.put_along_axis(forced, ids.astype(np.int64), FORCED_LOGIT, axis=1)
+        self._forced = mx.array(forced)
         self.position = 0  # the next trace token
 
     def __call__(self, x: mx.array) -> mx.array:
         logits = self.gate(x)
         n = int(np.prod(x.shape[:-1]))
-        rows = np.take(
-            self._ids, range(self.position, self.position + n), axis=0, mode="wrap"
-        )
+        forced = _rows(self._forced, self.position, n)
         self.position += n
-        forced = np.zeros((n, self._experts), np.float32)
-        np.put_along_axis(forced, rows, FORCED_LOGIT, axis=1)
-        forced = mx.array(forced).reshape(logits.shape).astype(logits.dtype)
-        return logits * 0 + forced
+        return logits * 0 + forced.reshape(logits.shape).astype(logits.dtype)
 
 
 def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -218,13 +226,12 @@ class ForcedPrediction:
 
     def __init__(self, router: ForcedRouter, ahead: np.ndarray, n: int):
         self._router = router
-        self._ahead = ahead[:, :n].astype(np.uint32)
+        self._ahead = mx.array(ahead[:, :n].astype(np.uint32))
 
     def __call__(self, x: mx.array) -> mx.array:
         t = int(np.prod(x.shape[:-1]))
-        end = self._router.position
-        rows = np.take(self._ahead, range(end - t, end), axis=0, mode="wrap")
-        return mx.array(rows.reshape(*x.shape[:-1], -1))
+        rows = _rows(self._ahead, self._router.position - t, t)
+        return rows.reshape(*x.shape[:-1], -1)
 
 
 def predictions_used(trace: RoutingTrace, top_k: int, extra: int) -> int:
