@@ -312,8 +312,23 @@ def init() -> mx.distributed.Group:
     return mx.distributed.init()
 
 
+def settle() -> None:
+    """Wait for what mlx-lm still computes on its generation stream.
+
+    mlx-lm computes one step ahead there (a turn's last step is still in
+    flight when its text is out), and that step sends, receives and gathers.
+    A collective of another stream would run beside it on the same sockets of
+    the ring, their bytes interleaved (seen: a rank's received hidden state
+    shifted by the other's 4-byte all-sum): every collective outside
+    generation waits for it first, on every rank, so each socket carries one
+    collective at a time, in the same order everywhere.
+    """
+    mx.synchronize(generation_stream)
+
+
 def gather_text(group: mx.distributed.Group, text: str) -> list[str]:
     """Every rank's `text` (cut to MESSAGE_BYTES), on every rank."""
+    settle()
     raw = text.encode()[:MESSAGE_BYTES].ljust(MESSAGE_BYTES, b"\0")
     out = mx.distributed.all_gather(mx.array(list(raw), mx.uint8), group=group)
     rows = out.reshape(group.size(), MESSAGE_BYTES).tolist()
@@ -323,7 +338,9 @@ def gather_text(group: mx.distributed.Group, text: str) -> list[str]:
 def share_line(group: mx.distributed.Group, line: str | None) -> str | None:
     """Rank 0's `line` (None: its input ended) on every rank; the other ranks'
     `line` is ignored. So only rank 0 reads the terminal, and every rank
-    answers the same input whatever a launcher does with the others' stdin."""
+    answers the same input whatever a launcher does with the others' stdin.
+    The turn before may still be in flight: it ends first (`settle`)."""
+    settle()
     raw = (line or "").encode() if group.rank() == 0 else b""
     n = -1 if line is None else len(raw)
     n = int(
@@ -403,8 +420,7 @@ def together(group: mx.distributed.Group, fn: Callable[[], T]) -> T:
 
 def rank_report(group: mx.distributed.Group, model: nn.Module, stage: Stage) -> list:
     """Each rank's layers, slots, peak memory and expert reads, on every rank."""
-    # mlx-lm computes one step ahead on its own stream: its collectives first
-    mx.synchronize(generation_stream)
+    settle()  # before reading the statistics of the step still in flight
     rt = runtime_of(model)
     s = rt.stats.collect()
     mine = {

@@ -176,6 +176,36 @@ def test_every_rank_gets_rank_0s_line() -> None:
     ]
 
 
+IN_FLIGHT = """
+import json, mlx.core as mx
+from mlx_lm.generate import generation_stream
+from moestream.pipeline import share_line
+g = mx.distributed.init()
+r = g.rank()
+x = mx.arange(256, dtype=mx.float32)
+with mx.stream(generation_stream):  # a step's hand-over, as mlx-lm runs one ahead
+    if r == 1:  # sent late: its layer still computes when the turn reads a line
+        a = mx.ones((512, 512))
+        for _ in range(8):  # its send starts after share_line's all-sum
+            a = a @ a / 512
+        y = mx.distributed.send(x + 0 * a[0, 0], 0)
+    else:
+        y = mx.distributed.recv_like(x, 1)
+mx.async_eval(y)
+line = share_line(g, "next turn" if r == 0 else None)
+print(json.dumps([r, line, (y == x).all().item()]), flush=True)
+"""
+
+
+def test_a_line_waits_for_the_step_in_flight() -> None:
+    """chat --pipeline reads a turn's line while mlx-lm's step ahead still
+    sends on its stream: the line's all-sum waits for it (else both run on the
+    ring's sockets at once: the hidden state received shifted by 4 bytes)."""
+    r = launch(2, sys.executable, "-c", IN_FLIGHT)
+    got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+    assert sorted(got) == [[0, "next turn", True], [1, "next turn", True]], r.stderr
+
+
 @pytest.mark.slow
 def test_budget_too_small_on_one_rank_stops_every_rank(converted: Path) -> None:
     """Rank shares of 2 and 1 layers: at a long context the KV cache of one more
