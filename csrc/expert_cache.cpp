@@ -451,6 +451,24 @@ std::pair<uint8_t*, int64_t> ExpertCache::record_pages(int expert) const {
   return {map_ + first, last - first};
 }
 
+void ExpertCache::populate(int expert, const uint8_t* at, int64_t n) {
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 // Linux 5.14
+#endif
+  auto first = reinterpret_cast<uintptr_t>(at) / kPage * kPage;
+  auto* p = reinterpret_cast<uint8_t*>(first);
+  int64_t len = at + n - p;
+  if (::madvise(p, len, MADV_POPULATE_READ) == 0) {
+    return;
+  }
+  if (errno != EINVAL) { // an I/O error: touching the page would fault
+    read_failed(expert, false);
+  }
+  for (int64_t at_page = 0; at_page < len; at_page += kPage) { // older kernels
+    static_cast<void>(*reinterpret_cast<volatile const uint8_t*>(p + at_page));
+  }
+}
+
 void ExpertCache::unmap_pages() {
   if (map_) {
     ::madvise(map_, map_len_, MADV_DONTNEED);
@@ -517,16 +535,46 @@ void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
     auto [pages, len] = record_pages(e);
     ::madvise(pages, len, MADV_WILLNEED);
   }
-  if (verify_) {
-    for (int e : unique) {
-      if (verified_[e]) {
-        continue;
-      }
-      if (crc32(mapped_record(e), record_nbytes) != checksums_[e]) {
-        checksum_failed(e);
-      }
-      verified_[e] = 1;
+  std::vector<char> absent(num_experts, 0);
+  for (int e : missing) {
+    absent[e] = 1;
+  }
+  // Then the misses, and records routed for the first time, in pieces over
+  // the readers: a piece's pages mapped in (read where absent) and, the
+  // first time, checksummed: as a read into a slot does, with no copy.
+  std::vector<int> todo;
+  for (int e : unique) {
+    if (absent[e] || (verify_ && !verified_[e])) {
+      todo.push_back(e);
     }
+  }
+  int64_t piece = piece_bytes();
+  int per = int((record_nbytes + piece - 1) / piece);
+  auto length = [&](int i) { return std::min(piece, record_nbytes - i * piece); };
+  std::vector<uint32_t> crcs(todo.size() * per, 0);
+  parallel_reads(int(crcs.size()), readers, [&](int i) {
+    int e = todo[i / per];
+    const uint8_t* at = mapped_record(e) + int64_t(i % per) * piece;
+    if (absent[e]) {
+      populate(e, at, length(i % per));
+    }
+    if (verify_ && !verified_[e]) {
+      crcs[i] = crc32(at, length(i % per));
+    }
+  });
+  for (size_t r = 0; r < todo.size(); r++) {
+    int e = todo[r];
+    if (!verify_ || verified_[e]) {
+      continue;
+    }
+    uint32_t crc = crcs[r * per];
+    for (int i = 1; i < per; i++) {
+      crc = crc32_combine(crc, crcs[r * per + i], length(i));
+    }
+    if (crc != checksums_[e]) {
+      checksum_failed(e);
+    }
+    verified_[e] = 1;
   }
   used(unique, tokens);
   for (int64_t i = 0; i < n; i++) {
@@ -534,13 +582,17 @@ void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
   }
 }
 
+int64_t ExpertCache::piece_bytes() const {
+  int64_t piece = std::max<int64_t>(
+      kMinPiece, (record_nbytes + readers - 1) / std::max(readers, 1));
+  return (piece + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
+}
+
 void ExpertCache::read_record(int expert, uint8_t* dst) {
   bool check = verify_ && !verified_[expert];
   // One record in pieces on the reader threads: a miss waits for the slowest
   // piece, not the whole record (and the disk sees several reads in flight).
-  int64_t piece = std::max<int64_t>(
-      kMinPiece, (record_nbytes + readers - 1) / std::max(readers, 1));
-  piece = (piece + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
+  int64_t piece = piece_bytes();
   int pieces = int((record_nbytes + piece - 1) / piece);
   auto length = [&](int i) { return std::min(piece, record_nbytes - i * piece); };
   std::vector<uint32_t> crcs(pieces, 0);

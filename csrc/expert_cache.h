@@ -124,6 +124,8 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // in pieces of at least kMinPiece bytes over `readers` reader threads.
   void read_record(int expert, uint8_t* dst);
   static constexpr int64_t kMinPiece = 256 << 10, kPieceAlign = 64 << 10;
+  // The pieces one record is read in: over `readers`, at least kMinPiece.
+  int64_t piece_bytes() const;
   // RuntimeConfig.direct_io: open the blob a second time with O_DIRECT and
   // read records through it (bypassing the page cache). Throws one line
   // naming the file where its filesystem refuses direct reads. Once, at load.
@@ -209,6 +211,9 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
                       uint32_t* out, CallRecord* rec);
   // Bytes of the record's pages that are not in the page cache.
   int64_t absent_bytes(int expert);
+  // Map in the pages of [at, at + n) of `expert`'s record, reading those
+  // absent from the page cache (MADV_POPULATE_READ); a failed read throws.
+  void populate(int expert, const uint8_t* at, int64_t n);
   // The whole pages of the mapping that hold a record.
   std::pair<uint8_t*, int64_t> record_pages(int expert) const;
   [[noreturn]] void checksum_failed(int expert);
