@@ -112,10 +112,11 @@ class RuntimeConfig:
         kernel computes every routed expert where its record lies in the page
         cache, copying nothing into slots (the page cache is then the expert
         cache, as llama.cpp's mmap makes it; memory_budget covers the rest).
-        A call asks the kernel to read its absent records at once and the
-        prediction reads ahead as with slots; each record's checksum is
-        checked the first time it is routed. Needs the CPU kernel (float32,
-        SwiGLU experts). docs/beyond-ram.md measures it against slots.
+        A call's absent records are read at once, in pieces over `readers`
+        threads, and the prediction reads ahead as with slots; each record's
+        checksum is checked the first time it is routed. Needs the CPU kernel
+        (float32, SwiGLU experts). docs/beyond-ram.md measures it against
+        slots.
     """
 
     memory_budget: int | str | None = None
