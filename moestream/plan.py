@@ -326,7 +326,9 @@ def format_plan(result: dict[str, Any]) -> str:
         row(
             "experts",
             p["pools"],
-            f"{p['capacity']} of {p['num_experts']} per layer "
+            "mapped: no slots, the page cache holds them (--no-mapped: slots)"
+            if p["mapped"]
+            else f"{p['capacity']} of {p['num_experts']} per layer "
             f"({100 * p['residency']:.0f} % resident), "
             f"{h(p['slot_bytes'])} per slot in every layer",
         ),

@@ -83,6 +83,10 @@ def test_no_slots_are_planned(converted: Path):
     assert slots.pools > 0 and plan.total < slots.total
     assert (plan.dense, plan.kv_cache) == (slots.dense, slots.kv_cache)
     assert "experts mapped" in plan.describe()
+    from moestream.plan import format_plan, plan_dict
+
+    text = format_plan({"plan": plan_dict(plan, RuntimeConfig(mapped=True))})
+    assert "mapped: no slots, the page cache holds them" in text
     with pytest.raises(BudgetError, match="more than the budget") as e:
         plan_for(converted, RuntimeConfig(mapped=True, memory_budget="1M"))
     assert "\n" not in str(e.value)
@@ -167,3 +171,30 @@ def test_run_moe_mapped_generates_what_slots_generate(converted: Path):
     )
     assert r.exit_code == 2
     assert re.fullmatch(r"error: mapped cannot run with cache_experts.*\n", r.output)
+
+
+def test_mapped_is_the_default_where_slots_do_not_all_fit(converted: Path, monkeypatch):
+    from moestream.runtime import loader
+
+    experts = load_manifest(converted).layers[0].num_experts
+    default, _ = moestream.load(converted)  # every expert's slot fits here
+    assert moestream.runtime_of(default).plan.capacity == experts
+    assert moestream.runtime_of(default).config.mapped is False
+    # As if the machine had memory for half the slots (the process's own
+    # bytes held still: the slots are small beside their drift):
+    monkeypatch.setattr(loader, "_process_bytes", lambda: 200 << 20)
+    p = plan_for(converted, RuntimeConfig(cache_experts=experts // 2))
+    half = loader._budget_holding(p.total - p.reserve + p.slot_bytes // 2)
+    monkeypatch.setattr(loader, "default_budget", lambda need, process: half)
+    model, _ = moestream.load(converted)
+    runtime = moestream.runtime_of(model)
+    assert runtime.config.mapped is True and runtime.plan.mapped
+    assert plan_for(converted).mapped  # the plan command says the same
+    # Asked for slots, a budget, or slots by count: slots.
+    for options in ({"mapped": False}, {"memory_budget": half}, {"cache_experts": 4}):
+        plan = moestream.runtime_of(moestream.load(converted, **options)[0]).plan
+        assert not plan.mapped and 0 < plan.capacity < experts, options
+    slots, _ = moestream.load(converted, mapped=False)
+    ours, theirs = (logits_stepwise(m, PROMPT, steps=4) for m in (model, slots))
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert mx.array_equal(a, b).item(), f"step {step} differs"

@@ -115,8 +115,11 @@ class RuntimeConfig:
         A call's absent records are read at once, in pieces over `readers`
         threads, and the prediction reads ahead as with slots; each record's
         checksum is checked the first time it is routed. Needs the CPU kernel
-        (float32, SwiGLU experts). docs/beyond-ram.md measures it against
-        slots.
+        (float32, SwiGLU experts). None (default): on where a CPU's default
+        slots cannot hold every expert (no memory_budget, cache_experts,
+        host_budget or direct_io given) and the kernel covers every layer;
+        docs/beyond-ram.md measures it against slots (trained routing beyond
+        RAM: 2.1x cold, 1.4x warm).
     """
 
     memory_budget: int | str | None = None
@@ -139,7 +142,7 @@ class RuntimeConfig:
     direct_io: bool = False
     cpu_kernel: bool | None = None
     kernel_threads: int = 0
-    mapped: bool = False
+    mapped: bool | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.concurrency, int) and self.concurrency >= 1):

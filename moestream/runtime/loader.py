@@ -173,9 +173,7 @@ def load(
     model, manifest, model_config, switches, layers = _build(
         directory, manifest, model_config, compute, shard
     )
-    if cfg.mapped:
-        native.require_mapped(cfg, compute)
-    plan = _plan_model(manifest, model_config, model, compute, process, cfg)
+    plan, cfg = _plan_resolved(manifest, model_config, model, compute, process, cfg)
     log.info(plan.describe())
     _bound_allocators(plan)
     stats = RuntimeStats(recording=cfg.record_trace)
@@ -328,6 +326,42 @@ def _plan_model(
     return plan_host_tier(plan, manifest, cfg)
 
 
+def _plan_resolved(
+    manifest: Manifest,
+    config: dict,
+    model: nn.Module,
+    compute: mx.Dtype,
+    process: int,
+    cfg: RuntimeConfig,
+) -> tuple[MemoryPlan, RuntimeConfig]:
+    """The plan, and `cfg` with `mapped` decided: left unset, on where a CPU's
+    default slots cannot hold every expert and the kernel covers every layer."""
+    if cfg.mapped:
+        native.require_mapped(cfg, compute)
+    plan = _plan_model(manifest, config, model, compute, process, cfg)
+    if cfg.mapped is not None:
+        return plan, cfg
+    auto = (
+        plan.capacity < plan.num_experts
+        and cfg.memory_budget is None
+        and cfg.cache_experts is None
+        and cfg.host_budget is None
+        and not cfg.direct_io
+        and cfg.engine_used == "native"
+        and mx.default_device() == mx.cpu
+        and compute == mx.float32
+        and native.covers_every_layer(switch_modules(model).values(), cfg)
+    )
+    cfg = replace(cfg, mapped=auto)
+    if not auto:
+        return plan, cfg
+    log.info(
+        "a slot for every expert does not fit: the experts stay mapped, the "
+        "page cache holds them (--no-mapped: slots)"
+    )
+    return _plan_model(manifest, config, model, compute, process, cfg), cfg
+
+
 def _plan_mapped(plan: MemoryPlan, budget: int | None) -> MemoryPlan:
     """RuntimeConfig.mapped: no slots; the budget holds the rest."""
     plan = replace(plan, capacity=0, budget=budget, mapped=True)
@@ -440,7 +474,8 @@ def plan_for(
     model, manifest, model_config, _, _ = _build(
         directory, manifest, model_config, compute, shard
     )
-    return _plan_model(manifest, model_config, model, compute, _process_bytes(), cfg)
+    process = _process_bytes()
+    return _plan_resolved(manifest, model_config, model, compute, process, cfg)[0]
 
 
 def _build(

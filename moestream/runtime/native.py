@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -135,16 +136,11 @@ def expert_cache(
     direct_io: bool = False,
     mapped: bool = False,
 ) -> object:
-    """The native cache of one MoE layer over its evaluated slot arrays (with
-    `mapped`, over its blob mapped read-only: the slot arrays only give the
-    float dtype); `record_calls` keeps each call's counts
-    (RuntimeStats.events); `device_resolve`, `readers`, `direct_io` and
-    `mapped`: RuntimeConfig's."""
+    """The native cache of one MoE layer over its evaluated slot arrays (mapped:
+    their dtypes only); record_calls: RuntimeStats.events; the rest: config's."""
     require()
-    segments = [
-        (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
-        for seg, a in zip(layer.segments, slots, strict=True)
-    ]
+    if mapped:  # no slots: every expert "resident", any pairs in one call
+        capacity = max_pairs = layer.num_experts
     cache = _native.ExpertCache(
         path=str(path),
         layer=layer.layer,
@@ -152,32 +148,36 @@ def expert_cache(
         stride=layer.stride,
         record_nbytes=layer.record_nbytes,
         num_experts=layer.num_experts,
-        capacity=layer.num_experts if mapped else capacity,  # mapped: unused
-        segments=segments,
+        capacity=capacity,
+        segments=[
+            (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
+            for seg, a in zip(layer.segments, slots, strict=True)
+        ],
         checksums=[int(c, 16) for c in layer.checksums] if verify else [],
         verify=verify,
         policy=policy,
         decay=decay,
-        max_pairs=layer.num_experts if mapped else max_pairs,
+        max_pairs=max_pairs,
         record_calls=record_calls,
     )
-    _tune(cache, device_resolve, readers, direct_io)
-    if mapped:
-        try:
-            cache.map_blob()
-        except ValueError as e:
-            raise ExpertReadError(str(e)) from None
-        return cache
-    cache.bind(slots, mx.default_device() != mx.cpu)
-    if tier is not None:
-        cache.attach(tier)
+    if not mapped:
+        cache.bind(slots, mx.default_device() != mx.cpu)
+    _tune(cache, tier, device_resolve, readers, direct_io, mapped)
     return cache
 
 
-def _tune(cache: object, device_resolve: bool, readers: int, direct_io: bool) -> None:
-    """Set RuntimeConfig's fields on a new cache. With direct_io it reads with
-    O_DIRECT from now on: one line naming the blob where its filesystem refuses
-    (tmpfs before Linux 6.6)."""
+def _tune(
+    cache: object,
+    tier: object | None,
+    device_resolve: bool,
+    readers: int,
+    direct_io: bool,
+    mapped: bool,
+) -> None:
+    """Set RuntimeConfig's fields on a new cache, its host tier too. With
+    direct_io it reads with O_DIRECT from now on: one line naming the blob
+    where its filesystem refuses (tmpfs before Linux 6.6). With mapped it maps
+    its blob: one line where that is shorter than its records."""
     cache.device_resolve = device_resolve  # type: ignore[attr-defined]
     cache.readers = readers  # type: ignore[attr-defined]
     if direct_io:
@@ -185,6 +185,13 @@ def _tune(cache: object, device_resolve: bool, readers: int, direct_io: bool) ->
             cache.open_direct()  # type: ignore[attr-defined]
         except ValueError as e:
             raise NativeEngineError(str(e)) from None
+    if mapped:
+        try:
+            cache.map_blob()  # type: ignore[attr-defined]
+        except ValueError as e:
+            raise ExpertReadError(str(e)) from None
+    if tier is not None:
+        cache.attach(tier)  # type: ignore[attr-defined]
 
 
 def host_tier(plan: object, readers: int) -> object:
@@ -360,6 +367,11 @@ class MappedKernel:
         return _native.expert_mlp_mapped(
             x, experts, self.cache, self.projections, self.threads
         )
+
+
+def covers_every_layer(layers: Iterable[SwitchGLU], config: RuntimeConfig) -> bool:
+    """Whether the CPU kernel runs and computes every one of `layers`."""
+    return all(expert_kernel(inner, config) is not None for inner in layers)
 
 
 def mapped_kernel(
