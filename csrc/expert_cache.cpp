@@ -488,10 +488,9 @@ int64_t ExpertCache::absent_bytes(int expert) {
   return std::min(absent, record_nbytes);
 }
 
-void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
-                                 int tokens, uint32_t* out, CallRecord* rec) {
-  std::vector<char> seen(num_experts, 0);
-  std::vector<int> unique, missing;
+std::vector<int> ExpertCache::distinct(const uint32_t* experts, int64_t n,
+                                       std::vector<char>& seen) const {
+  std::vector<int> unique;
   for (int64_t i = 0; i < n; i++) {
     uint32_t e = experts[i];
     if (e >= uint32_t(num_experts)) {
@@ -502,6 +501,13 @@ void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
       unique.push_back(int(e));
     }
   }
+  return unique;
+}
+
+void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
+                                 int tokens, uint32_t* out, CallRecord* rec) {
+  std::vector<char> seen(num_experts, 0);
+  std::vector<int> unique = distinct(experts, n, seen), missing;
   if (rec) {
     rec->prefetched = std::exchange(hinted_, {});
   }
@@ -828,17 +834,7 @@ void ExpertCache::resolve(
     const std::function<void(int, int)>& write,
     CallRecord* rec) {
   std::vector<char> keep(num_experts, 0);
-  std::vector<int> unique;
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t e = experts[i];
-    if (e >= uint32_t(num_experts)) {
-      throw std::runtime_error("routed expert id out of range");
-    }
-    if (!keep[e]) {
-      keep[e] = 1;
-      unique.push_back(int(e));
-    }
-  }
+  std::vector<int> unique = distinct(experts, n, keep);
   if (int(unique.size()) > capacity) {
     throw std::runtime_error("more routed experts than slots in one call");
   }

@@ -206,6 +206,10 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // `resolve` as a new call of the host tier: the misses' records are read
   // through the tier and handed to `use`. If a read fails, every miss of the
   // call leaves its slot and the error is rethrown.
+  // The distinct experts of a call, in first-routed order, each marked in
+  // `seen` (num_experts); an id out of range throws.
+  std::vector<int> distinct(const uint32_t* experts, int64_t n,
+                            std::vector<char>& seen) const;
   // `resolve` for a mapped blob: `out` is `experts`.
   void resolve_mapped(const uint32_t* experts, int64_t n, int tokens,
                       uint32_t* out, CallRecord* rec);
