@@ -488,6 +488,19 @@ int64_t ExpertCache::absent_bytes(int expert) {
   return std::min(absent, record_nbytes);
 }
 
+void ExpertCache::count(int expert, bool hit, CallRecord* rec) {
+  uses[expert].fetch_add(1, std::memory_order_relaxed);
+  if (prefetched_[expert]) {
+    counters.prefetched_used += 1;
+    counters.misses_prefetched += hit ? 0 : 1;
+  }
+  (hit ? counters.hits : counters.misses) += 1;
+  if (rec) {
+    (hit ? rec->hits : rec->misses) += 1;
+  }
+  prefetched_[expert] = 0;
+}
+
 std::vector<int> ExpertCache::distinct(const uint32_t* experts, int64_t n,
                                        std::vector<char>& seen) const {
   std::vector<int> unique;
@@ -512,29 +525,15 @@ void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
     rec->prefetched = std::exchange(hinted_, {});
   }
   for (int e : unique) {
-    uses[e].fetch_add(1, std::memory_order_relaxed);
-    if (prefetched_[e]) {
-      counters.prefetched_used += 1;
-    }
     int64_t absent = absent_bytes(e);
-    if (absent == 0) {
-      counters.hits += 1;
-      if (rec) {
-        rec->hits += 1;
-      }
-    } else {
-      counters.misses += 1;
+    count(e, absent == 0, rec);
+    if (absent) {
       counters.bytes_read += absent;
-      if (prefetched_[e]) {
-        counters.misses_prefetched += 1;
-      }
       if (rec) {
-        rec->misses += 1;
         rec->bytes_read += absent;
       }
       missing.push_back(e);
     }
-    prefetched_[e] = 0;
   }
   // Every miss of the call in flight at once, before anything waits on one.
   for (int e : missing) {
@@ -842,27 +841,11 @@ void ExpertCache::resolve(
     rec->prefetched = std::exchange(hinted_, {});
   }
   for (int e : unique) {
-    uses[e].fetch_add(1, std::memory_order_relaxed);
-    if (prefetched_[e]) {
-      counters.prefetched_used += 1;
-    }
+    count(e, slot_of_[e] >= 0, rec);
     if (slot_of_[e] >= 0) {
-      counters.hits += 1;
-      if (rec) {
-        rec->hits += 1;
-      }
-      prefetched_[e] = 0;
       continue;
     }
     int s = victim(keep);
-    counters.misses += 1;
-    if (rec) {
-      rec->misses += 1;
-    }
-    if (prefetched_[e]) {
-      counters.misses_prefetched += 1;
-      prefetched_[e] = 0;
-    }
     expert_in_[s] = -1;
     try {
       write(e, s);

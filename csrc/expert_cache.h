@@ -210,6 +210,8 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // `seen` (num_experts); an id out of range throws.
   std::vector<int> distinct(const uint32_t* experts, int64_t n,
                             std::vector<char>& seen) const;
+  // Count a routed expert of a call: a hit or a miss, read ahead or not.
+  void count(int expert, bool hit, CallRecord* rec);
   // `resolve` for a mapped blob: `out` is `experts`.
   void resolve_mapped(const uint32_t* experts, int64_t n, int tokens,
                       uint32_t* out, CallRecord* rec);
