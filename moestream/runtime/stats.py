@@ -7,6 +7,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generation_stream
 
 from . import native
 
@@ -143,7 +144,7 @@ class RuntimeStats:
 
     def _fill_native(self) -> None:
         """Fill the native calls' events from their caches' call records."""
-        mx.synchronize()  # calls still in flight record when they finish
+        _synchronize()  # calls still in flight record when they finish
         for layer, cache in self.native_layers.items():
             for step, hits, misses, nbytes, prefetched in cache.take_records():
                 e = self._pending.pop((layer, step), None)
@@ -187,7 +188,7 @@ class RuntimeStats:
     def reset(self) -> None:
         self.collect()
         if self.recording and self.native_layers:
-            mx.synchronize()  # no call in flight records under an old step
+            _synchronize()  # no call in flight records under an old step
             for cache in self.native_layers.values():
                 cache.take_records()
         for f in fields(self):
@@ -216,3 +217,10 @@ class RuntimeStats:
             "host_evictions": self.host_evictions,
             "host_hit_rate": self.host_hit_rate,
         }
+
+
+def _synchronize() -> None:
+    """Wait for the default stream and mlx-lm's generation stream, where its
+    generate_step computes one step ahead (calls that record when they run)."""
+    mx.synchronize()
+    mx.synchronize(generation_stream)
