@@ -119,7 +119,7 @@ class RuntimeConfig:
         slots cannot hold every expert (no memory_budget, cache_experts,
         host_budget or direct_io given) and the kernel covers every layer;
         docs/beyond-ram.md measures it against slots (trained routing beyond
-        RAM: 1.1-2.1x cold, 1.25-1.4x warm).
+        RAM: 1.1-2.1x cold, 1.2-1.4x warm).
     """
 
     memory_budget: int | str | None = None
