@@ -122,7 +122,7 @@ def main() -> None:
         gc.collect()
         if name in ("native 25 %, tier 1.9 GB", "native 10 %, tier 1.9 GB"):
             model, _ = moestream.load(out, **options)
-            model.moestream.store.drop_cache()
+            model.moestream.drop_cache()
             moestream.stats(model).reset()
             base, _ = decode(resident, n)
             tps, tokens = decode(model, n)

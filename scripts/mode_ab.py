@@ -39,14 +39,14 @@ class Decoder:
 
     def __init__(self, model, prompt: mx.array, seed: int, cold: bool = False):
         self.model, self.cache = model, make_prompt_cache(model)
-        self.store = moestream.runtime_of(model).store if cold else None
+        self.runtime = moestream.runtime_of(model) if cold else None
         self.key = mx.random.key(seed)
         self.logits = model(prompt[None], cache=self.cache)[:, -1]
         self.tokens: list[int] = []
 
     def step(self) -> float:
-        if self.store is not None:
-            self.store.drop_cache()
+        if self.runtime is not None:
+            self.runtime.drop_cache()
         start = time.perf_counter()
         self.key, k = mx.random.split(self.key)
         token = mx.random.categorical(self.logits, key=k)

@@ -142,17 +142,8 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
         force_routes(model, trace, options.prefetch_extra)
     runtime = runtime_of(model)
     if job.cold:
-        _drop_cache(runtime)
+        runtime.drop_cache()
     return model, runtime
-
-
-def _drop_cache(runtime: object) -> None:
-    """Drop the blobs from the page cache; a mapped engine's pages leave its
-    mapping first (a page some process maps is not dropped)."""
-    for cache in runtime.stats.native_layers.values():
-        if cache.mapped:
-            cache.unmap_pages()
-    runtime.store.drop_cache()
 
 
 def _forced(job: Job, model: nn.Module) -> nn.Module:
@@ -167,7 +158,7 @@ def _restart(job: Job, runtime: object | None) -> None:
     if runtime is None:
         return
     if job.cold:
-        _drop_cache(runtime)
+        runtime.drop_cache()
     runtime.stats.reset()
 
 

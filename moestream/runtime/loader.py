@@ -139,6 +139,14 @@ class Runtime:
     compute_dtype: mx.Dtype
     config: RuntimeConfig
 
+    def drop_cache(self) -> None:
+        """Drop the blobs from the page cache (a cold start). A mapped layer's
+        pages leave its mapping first: a page some process maps is not dropped."""
+        for cache in self.stats.native_layers.values():
+            if cache.mapped:  # type: ignore[attr-defined]
+                cache.unmap_pages()  # type: ignore[attr-defined]
+        self.store.drop_cache()
+
 
 def load(
     path: str | Path,
