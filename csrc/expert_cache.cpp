@@ -411,10 +411,19 @@ void ExpertCache::open_direct() {
   dfd_ = fd;
 }
 
-void ExpertCache::checksum_failed(int expert) {
-  throw ReadError("Expert " + std::to_string(expert) + " of layer " +
-                  std::to_string(layer_) + " in " + path_ +
-                  " fails its checksum; the file is corrupted: convert again.");
+void ExpertCache::check_pieces(int expert, const uint32_t* crcs) {
+  int64_t piece = piece_bytes();
+  uint32_t crc = crcs[0];
+  for (int64_t at = piece; at < record_nbytes; at += piece) {
+    crc = crc32_combine(crc, crcs[at / piece],
+                        std::min(piece, record_nbytes - at));
+  }
+  if (crc != checksums_[expert]) {
+    throw ReadError("Expert " + std::to_string(expert) + " of layer " +
+                    std::to_string(layer_) + " in " + path_ +
+                    " fails its checksum; the file is corrupted: convert again.");
+  }
+  verified_[expert] = 1;
 }
 
 void ExpertCache::map_blob() {
@@ -519,40 +528,30 @@ std::vector<int> ExpertCache::distinct(const uint32_t* experts, int64_t n,
 
 void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
                                  int tokens, uint32_t* out, CallRecord* rec) {
-  std::vector<char> seen(num_experts, 0);
-  std::vector<int> unique = distinct(experts, n, seen), missing;
+  std::vector<char> seen(num_experts, 0), absent(num_experts, 0);
+  std::vector<int> unique = distinct(experts, n, seen), todo;
   if (rec) {
     rec->prefetched = std::exchange(hinted_, {});
   }
   for (int e : unique) {
-    int64_t absent = absent_bytes(e);
-    count(e, absent == 0, rec);
-    if (absent) {
-      counters.bytes_read += absent;
+    int64_t bytes = absent_bytes(e);
+    count(e, bytes == 0, rec);
+    if (bytes) { // every miss of the call in flight before any is waited on
+      absent[e] = 1;
+      counters.bytes_read += bytes;
       if (rec) {
-        rec->bytes_read += absent;
+        rec->bytes_read += bytes;
       }
-      missing.push_back(e);
+      auto [pages, len] = record_pages(e);
+      ::madvise(pages, len, MADV_WILLNEED);
     }
-  }
-  // Every miss of the call in flight at once, before anything waits on one.
-  for (int e : missing) {
-    auto [pages, len] = record_pages(e);
-    ::madvise(pages, len, MADV_WILLNEED);
-  }
-  std::vector<char> absent(num_experts, 0);
-  for (int e : missing) {
-    absent[e] = 1;
-  }
-  // Then the misses, and records routed for the first time, in pieces over
-  // the readers: a piece's pages mapped in (read where absent) and, the
-  // first time, checksummed: as a read into a slot does, with no copy.
-  std::vector<int> todo;
-  for (int e : unique) {
     if (absent[e] || (verify_ && !verified_[e])) {
       todo.push_back(e);
     }
   }
+  // Then the misses, and records routed for the first time, in pieces over
+  // the readers: a piece's pages mapped in (read where absent) and, the
+  // first time, checksummed: as a read into a slot does, with no copy.
   int64_t piece = piece_bytes();
   int per = int((record_nbytes + piece - 1) / piece);
   auto length = [&](int i) { return std::min(piece, record_nbytes - i * piece); };
@@ -568,18 +567,9 @@ void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
     }
   });
   for (size_t r = 0; r < todo.size(); r++) {
-    int e = todo[r];
-    if (!verify_ || verified_[e]) {
-      continue;
+    if (verify_ && !verified_[todo[r]]) {
+      check_pieces(todo[r], crcs.data() + r * per);
     }
-    uint32_t crc = crcs[r * per];
-    for (int i = 1; i < per; i++) {
-      crc = crc32_combine(crc, crcs[r * per + i], length(i));
-    }
-    if (crc != checksums_[e]) {
-      checksum_failed(e);
-    }
-    verified_[e] = 1;
   }
   used(unique, tokens);
   for (int64_t i = 0; i < n; i++) {
@@ -608,14 +598,7 @@ void ExpertCache::read_record(int expert, uint8_t* dst) {
     }
   });
   if (check) {
-    uint32_t crc = crcs[0];
-    for (int i = 1; i < pieces; i++) {
-      crc = crc32_combine(crc, crcs[i], length(i));
-    }
-    if (crc != checksums_[expert]) {
-      checksum_failed(expert);
-    }
-    verified_[expert] = 1;
+    check_pieces(expert, crcs.data());
   }
   counters.bytes_read += record_nbytes;
 }

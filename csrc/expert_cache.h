@@ -222,7 +222,9 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void populate(int expert, const uint8_t* at, int64_t n);
   // The whole pages of the mapping that hold a record.
   std::pair<uint8_t*, int64_t> record_pages(int expert) const;
-  [[noreturn]] void checksum_failed(int expert);
+  // Combine a record's piece checksums (piece_bytes() each, in order) and
+  // mark it verified, or throw a ReadError naming it.
+  void check_pieces(int expert, const uint32_t* crcs);
   void resolve_through_tier(const uint32_t* experts, int64_t n, int tokens,
                             uint32_t* out, const UseRecord& use,
                             CallRecord* rec);
