@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moestream.bench.balloon import CHUNK, Balloon, available
-from moestream.bench.beyond import BeyondConfig, plan
+from moestream.bench.beyond import BeyondConfig, plan, summarize
 from moestream.bench.routes import load_trace, uniform_trace, write_trace
 
 
@@ -49,6 +49,25 @@ def test_beyond_ram_without_a_gguf_plans_moestream_rows_only(tmp_path):
         ("moestream 25 % direct_io=true", "cold"),
         ("moestream 25 % direct_io=true", "warm"),
     ]
+
+
+def test_each_repeat_is_held_to_its_own_compute_term():
+    def run(tps: float, disk: float = 0.0) -> dict:
+        keys = ("read", "missed", "rss", "hit")
+        return {"tps": tps, "disk": disk, **dict.fromkeys(keys, disk)}
+
+    # the machine ran at half speed in the second repeat, in RAM and under the
+    # balloon alike; the disk (1 GB/s) bounds the cold row's first repeat
+    results = {
+        ("moestream 100 %", "warm", "in RAM"): [run(10.0), run(5.0)],
+        ("moestream 25 %", "cold", "balloon"): [run(4.0, 0.2e9), run(4.0)],
+    }
+    out = summarize(results, {"limit": 1.0}, held=1 << 30)
+    ram, cold = out["rows"]
+    assert ram["x_roofline_spread"] == [1.0, 1.0]
+    assert cold["x_roofline_spread"] == pytest.approx([0.8, 0.8])
+    assert cold["x_roofline"] == pytest.approx(0.8)  # not 4 / 7.5 (medians' ratio)
+    assert out["compute_s"]["moestream"] == pytest.approx(0.15)
 
 
 def test_a_uniform_trace_routes_to_distinct_experts(tmp_path):

@@ -4,14 +4,17 @@ under a balloon, against the disk's measured limit.
 1. The disk: O_DIRECT reads of whole expert records, one at a time and
    several in flight (the limit is the best of those).
 2. In RAM, no balloon: moestream with every expert in slots, warm (the
-   compute time per token of the roofline), and llama.cpp warm.
+   compute time per token of the roofline), and llama.cpp warm; once in each
+   repeat, beside that repeat's balloon rows.
 3. Under the balloon (MemAvailable held near `floor`, so the page cache has
    about that much room): every row cold (page cache dropped first), then the
    same row again warm (what the page cache kept). Decoding is sampled
    (moestream, temperature 1) or random ids (llama-bench's tg), so routing
    does not repeat.
 
-Roofline per row: max(compute s/token in RAM, disk bytes/token / limit).
+Roofline per run: max(compute s/token in RAM, disk bytes/token / limit), the
+compute term measured in the same repeat; a row's ratio is the median of its
+runs'.
 """
 
 from __future__ import annotations
@@ -156,8 +159,10 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
         )
     disk = measure_disk(cfg.out)
     progress(f"disk: {json.dumps(disk)}")
-    # In RAM, without the balloon: moestream first, llama.cpp after the
-    # balloon rows (the same run; no page cache of the GGUF left to them).
+    # Each repeat measures its own compute term in RAM (no balloon) beside its
+    # balloon rows: a machine whose speed drifts over the run moves both.
+    # llama.cpp's in-RAM row comes after the balloon rows, with no page cache
+    # of the GGUF left to them.
     in_ram = [
         ("moestream 100 %", lambda: _moe(moestream_job(cfg, 100, False, {}))),
         ("llama.cpp mmap", lambda: _llama(llama_job(cfg, False))),
@@ -168,37 +173,47 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
         results.setdefault((name, mode, where), []).append(run())
         progress(f"{where} {name} {mode}: {available() >> 20} MB available")
 
-    for _ in range(cfg.repeats if cfg.in_ram else 0):
-        record(*in_ram[0][:1], "warm", "in RAM", in_ram[0][1])
-    with Balloon(leave=cfg.floor + (512 << 20), floor=cfg.floor) as balloon:
-        progress(f"balloon holds {balloon.held >> 20} MB, {available() >> 20} MB left")
-        for _ in range(cfg.repeats):
+    held = 0
+    for _ in range(cfg.repeats):
+        if cfg.in_ram:
+            record(in_ram[0][0], "warm", "in RAM", in_ram[0][1])
+        with Balloon(leave=cfg.floor + (512 << 20), floor=cfg.floor) as balloon:
+            left = available() >> 20
+            progress(f"balloon holds {balloon.held >> 20} MB, {left} MB left")
             for name, mode, run in plan(cfg):
                 record(name, mode, "balloon", run)
-        held = balloon.held
-    for _ in range(cfg.repeats if cfg.gguf and cfg.in_ram else 0):
-        record(*in_ram[1][:1], "warm", "in RAM", in_ram[1][1])
+            held = max(held, balloon.held)
+        if cfg.gguf and cfg.in_ram:
+            record(in_ram[1][0], "warm", "in RAM", in_ram[1][1])
     return summarize(results, disk, held)
 
 
 def summarize(results: dict, disk: dict, held: int) -> dict:
-    compute = {}
+    """Each run's roofline from its own repeat's compute term (the in-RAM
+    run of the same index), then medians over the repeats."""
+    compute: dict[str, list[float]] = {}
     for (name, _, where), runs in results.items():
         if where == "in RAM":
-            compute[name.split()[0]] = 1 / statistics.median(r["tps"] for r in runs)
+            compute[name.split()[0]] = [1 / r["tps"] for r in runs]
+    limit = disk["limit"] * 1e9
     out = []
     for (name, mode, where), runs in results.items():
         tps = statistics.median(r["tps"] for r in runs)
         dpt = statistics.median(r["disk"] for r in runs)
-        own = compute.get(name.split()[0], compute.get("moestream", 0.0))
-        bound = max(own, dpt / (disk["limit"] * 1e9))
+        own = compute.get(name.split()[0], compute.get("moestream", []))
+        terms = [own[i] if i < len(own) else 0.0 for i in range(len(runs))]
+        pairs = list(zip(terms, runs, strict=True))
+        bounds = [max(c, r["disk"] / limit) for c, r in pairs]
+        ratios = [b * r["tps"] for b, r in zip(bounds, runs, strict=True)]
         # The same against the records the slots missed (one a miss), as if
         # each came from the disk and nothing else did: reads ahead that no
         # slot took are not credited to the roofline here.
         missed = strict = None
         if runs[0]["missed"] is not None:
             missed = statistics.median(r["missed"] for r in runs)
-            strict = max(own, missed / (disk["limit"] * 1e9)) * tps
+            strict = statistics.median(
+                max(c, r["missed"] / limit) * r["tps"] for c, r in pairs
+            )
         out.append(
             {
                 "row": name,
@@ -213,13 +228,20 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
                 "disk_mb_s": dpt * tps / 1e6,
                 "peak_rss": max(r["rss"] for r in runs),
                 "hit_rate": runs[0]["hit"],
-                "roofline_s": bound,
-                "x_roofline": bound * tps,
+                "roofline_s": statistics.median(bounds),
+                "x_roofline": statistics.median(ratios),
+                "x_roofline_spread": ratios,
                 "missed_mb_per_token": None if missed is None else missed / 1e6,
                 "x_roofline_records": strict,
             }
         )
-    return {"disk_gbps": disk, "balloon_bytes": held, "compute_s": compute, "rows": out}
+    compute_s = {k: statistics.median(v) for k, v in compute.items()}
+    return {
+        "disk_gbps": disk,
+        "balloon_bytes": held,
+        "compute_s": compute_s,
+        "rows": out,
+    }
 
 
 COLUMNS = [
