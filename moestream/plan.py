@@ -57,6 +57,7 @@ from .formats.manifest import inside
 from .runtime.config import RuntimeConfig
 from .runtime.loader import (
     MemoryPlan,
+    available_memory,
     dense_weights,
     load,
     plan_for,
@@ -132,10 +133,16 @@ def forecasts(
     plan: MemoryPlan,
     probe: Probe,
     hit_rates: tuple[float, ...] = (),
+    page_cache: int = 0,
 ) -> list[Forecast]:
     """At the uniform-routing hit rate, then at `hit_rates` (default: the
-    higher of HIT_RATES); one row when every expert has a slot."""
-    uniform = plan.capacity / plan.num_experts
+    higher of HIT_RATES); one row when every expert has a slot. Mapped, the
+    page cache is the expert cache: uniform routing hits the share of the
+    experts' bytes that `page_cache` bytes hold."""
+    if plan.mapped:
+        uniform = min(1.0, page_cache / max(manifest.expert_bytes, 1))
+    else:
+        uniform = plan.capacity / plan.num_experts
     if uniform >= 1:
         return [forecast_at(1.0, manifest, config, probe)]
     rates = hit_rates or tuple(h for h in HIT_RATES if h > uniform)
@@ -299,9 +306,19 @@ def plan_and_forecast(
         manifest = load_manifest(directory)
         measured = run_probe(directory, cfg.dtype)
         out["probe"] = asdict(measured)
-        rows = forecasts(manifest, load_config(directory), plan, measured, hit_rates)
+        room = page_cache_room(plan) if plan.mapped else 0
+        out["page_cache"] = room
+        rows = forecasts(
+            manifest, load_config(directory), plan, measured, hit_rates, room
+        )
         out["forecast"] = [asdict(f) for f in rows]
     return out
+
+
+def page_cache_room(plan: MemoryPlan) -> int:
+    """Bytes the page cache can keep of a mapped model's experts: what the
+    system can give now, less what the plan holds beyond this process."""
+    return max(0, available_memory() - (plan.total - plan.process))
 
 
 def format_plan(result: dict[str, Any]) -> str:
@@ -347,6 +364,12 @@ def format_plan(result: dict[str, Any]) -> str:
         )
     if "forecast" in result:
         lines += _forecast_lines(result["probe"], result["forecast"])
+    if p["mapped"] and "page_cache" in result:
+        lines.append(
+            f"the page cache can keep {h(result['page_cache'])} of the experts "
+            "now (what the system can give, less the plan): the first row's hit "
+            "rate"
+        )
     return "\n".join(lines)
 
 

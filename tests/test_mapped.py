@@ -92,6 +92,27 @@ def test_no_slots_are_planned(converted: Path):
     assert "\n" not in str(e.value)
 
 
+def test_the_forecast_hits_what_the_page_cache_can_keep(converted: Path, monkeypatch):
+    from mlx_lm.utils import load_config
+
+    from moestream import plan as planning
+
+    plan = plan_for(converted, RuntimeConfig(mapped=True))
+    manifest, config = load_manifest(converted), load_config(converted)
+    probe = planning.Probe(0.01, 1e-4, 0.2, 0.5, 4.0)
+    half = manifest.expert_bytes // 2
+    rows = planning.forecasts(manifest, config, plan, probe, page_cache=half)
+    assert rows[0].hit_rate == pytest.approx(half / manifest.expert_bytes)
+    assert [f.hit_rate for f in rows[1:]] == [0.75, 0.9, 0.95]
+    (full,) = planning.forecasts(manifest, config, plan, probe, page_cache=2 * half + 1)
+    assert full.hit_rate == 1.0 and full.misses_per_token == 0
+    # what the system can give, less what the plan holds beyond this process
+    monkeypatch.setattr(planning, "available_memory", lambda: plan.total + half)
+    assert planning.page_cache_room(plan) == plan.process + half
+    monkeypatch.setattr(planning, "available_memory", lambda: 0)
+    assert planning.page_cache_room(plan) == 0
+
+
 def test_counters_say_what_the_page_cache_held(converted: Path):
     model, _ = moestream.load(converted, mapped=True, prefetch=False)
     for layer in load_manifest(converted).layers:  # mapped, not yet touched

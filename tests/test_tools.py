@@ -408,9 +408,9 @@ def test_default_budget_is_what_the_model_needs(converted: Path, monkeypatch) ->
     assert plan.total <= plan.budget < plan.total + (1 << 20)
     assert plan.reserve == loader.RESERVE_BYTES + int(0.03 * plan.budget)
     need = 100 << 20
-    monkeypatch.setattr(loader, "_available_memory", lambda: 10 << 30)
+    monkeypatch.setattr(loader, "available_memory", lambda: 10 << 30)
     assert loader.default_budget(need, 50 << 20) == loader._budget_holding(need)
-    monkeypatch.setattr(loader, "_available_memory", lambda: 40 << 20)
+    monkeypatch.setattr(loader, "available_memory", lambda: 40 << 20)
     assert loader.default_budget(need, 50 << 20) == int(0.8 * (90 << 20))
 
 

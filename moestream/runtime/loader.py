@@ -400,7 +400,7 @@ def plan_host_tier(
         record = -(-record // DIRECT_ALIGN) * DIRECT_ALIGN
     every = sum(layer.num_experts for layer in manifest.layers)
     if cfg.host_budget is None:
-        budget = min(every * record, _available_memory() // 2)
+        budget = min(every * record, available_memory() // 2)
     else:
         budget = parse_size(cfg.host_budget)
     records = min(every, budget // record)
@@ -737,7 +737,7 @@ def default_budget(need_all: int, process: int) -> int:
     (`need_all` bytes, plus the reserve), when that fits in 80 % of the memory
     this process may take now (its own plus what the system has available);
     else that 80 %, and the slots get what is left."""
-    ceiling = int(0.8 * (process + _available_memory()))
+    ceiling = int(0.8 * (process + available_memory()))
     return min(_budget_holding(need_all), ceiling)
 
 
@@ -745,7 +745,7 @@ def _physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
     """Memory the system can give now without swapping (Linux MemAvailable:
     free plus reclaimable page cache); physical memory elsewhere."""
     try:
