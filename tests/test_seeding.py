@@ -78,6 +78,15 @@ def test_run_moe_seed_prints_mlx_lm_generate(
     assert texts[0] != texts[1]  # the seed decides the text
 
 
+@pytest.mark.skipif(not native.available(), reason="the native engine is not built")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mapped_seed_prints_mlx_lm_generate(models, mlx_lm_texts, family: str) -> None:
+    """Mapped experts (the default beyond RAM on a CPU) draw what mlx-lm does."""
+    out, _ = models[family]
+    texts = [run_moe_text(out, s, "--mapped") for s in SEEDS]
+    assert texts == [mlx_lm_texts[family, s] for s in SEEDS]
+
+
 @pytest.mark.device
 @pytest.mark.skipif(not mx.is_available(mx.gpu), reason="MLX has no GPU here")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
