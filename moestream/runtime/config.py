@@ -47,8 +47,8 @@ class RuntimeConfig:
         every record (read at load, so nothing is left to read ahead) or it
         is a GPU's with device_resolve and direct_io off (buffered, its reads
         ahead gained with the blobs in the page cache and lost beyond RAM;
-        direct, they gained: docs/gpu.md). The python engine measured 2-6 %
-        slower with it, warm and cold (README), and has none.
+        direct, they gained: docs/gpu.md). The python engine measured slower
+        with it, warm and cold (docs/performance.md), and has none.
     prefetch_extra: predict this many experts beyond the router's top-k: more
         recall for some wasted reads.
     whole_calls: a prefill that routes to more experts than slots runs each
@@ -78,15 +78,14 @@ class RuntimeConfig:
         host tier records rounded up to 4 KiB). Use it for a model several
         times larger than the RAM left to it, with routing that misses: there
         the page cache holds little of the experts and its readahead reads
-        records nobody asked for (docs/beyond-ram.md: 30 GB of experts beside
-        about 6 GB, uniform routing: 1.10x cold, 1.19x warm, half the disk
-        bytes). Off (default) where the page cache holds a real share of the
-        blobs (in RAM, or a model up to about twice the RAM left): its hits are
-        free and direct reads lose 10-30 % there. Without a host tier it also
+        records nobody asked for (docs/beyond-ram.md). Off (default) where
+        the page cache holds a real share of the blobs (in RAM, or a model up
+        to about twice the RAM left): its hits are free and direct reads lose
+        there. Without a host tier it also
         drops the prediction's kernel readahead (it would fill a page cache
         nothing reads). On a GPU it also turns on reading ahead into the host
-        tier (prefetch); beyond host RAM, cold, the two gained 1.26-1.40x
-        (docs/gpu.md). A filesystem that refuses O_DIRECT is an error at load.
+        tier (prefetch), which gained beyond host RAM, cold (docs/gpu.md).
+        A filesystem that refuses O_DIRECT is an error at load.
     device_resolve: the native engine on a GPU: a kernel resolves each
         call's slots and host tier records from the device's copies of the
         slot table and the tier's table, so the CUDA stream waits on the host
@@ -101,7 +100,7 @@ class RuntimeConfig:
         SwiGLU, affine-quantized, float32) and the dense quantized matmuls
         (attention, router, lm_head) with the extension's kernel: MLX's own
         arithmetic bit for bit, output rows in vector lanes, over
-        `kernel_threads` threads (docs/profile-cpu.md: decode 2.6x mlx-lm's here).
+        `kernel_threads` threads (docs/profile-cpu.md).
         None (default): on with the native engine, where a check at first use
         finds it equal to this MLX's ops; True: on (with either engine), or
         an error where it is not exact; False: MLX's ops (the reference path).
@@ -118,8 +117,7 @@ class RuntimeConfig:
         (float32, SwiGLU experts). None (default): on where a CPU's default
         slots cannot hold every expert (no memory_budget, cache_experts,
         host_budget or direct_io given) and the kernel covers every layer;
-        docs/beyond-ram.md measures it against slots (trained routing beyond
-        RAM: 1.1-2.1x cold, 1.2-1.4x warm).
+        docs/beyond-ram.md measures it against slots.
     """
 
     memory_budget: int | str | None = None
