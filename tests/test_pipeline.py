@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -93,8 +94,14 @@ def launch(
     return subprocess.CompletedProcess(args, p.returncode, out, err)
 
 
+ERROR = re.compile(r"error: .*?(?=error: |$)")
+
+
 def errors(r: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    """Every "error: ..." message of the ranks' stderr. mlx.launch relays each
+    rank's output in the chunks it reads, so two ranks' lines may be spliced
+    into one: a message runs to the next one or to the end of its line."""
+    return [m for line in r.stderr.splitlines() for m in ERROR.findall(line)]
 
 
 @pytest.fixture(scope="module")
