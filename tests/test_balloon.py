@@ -53,7 +53,7 @@ def test_beyond_ram_without_a_gguf_plans_moestream_rows_only(tmp_path):
 
 def test_each_repeat_is_held_to_its_own_compute_term():
     def run(tps: float, disk: float = 0.0) -> dict:
-        keys = ("read", "missed", "rss", "hit")
+        keys = ("read", "missed", "rss", "hit", "cpu")
         return {"tps": tps, "disk": disk, **dict.fromkeys(keys, disk)}
 
     # the machine ran at half speed in the second repeat, in RAM and under the
@@ -68,6 +68,7 @@ def test_each_repeat_is_held_to_its_own_compute_term():
     assert cold["x_roofline_spread"] == pytest.approx([0.8, 0.8])
     assert cold["x_roofline"] == pytest.approx(0.8)  # not 4 / 7.5 (medians' ratio)
     assert out["compute_s"]["moestream"] == pytest.approx(0.15)
+    assert cold["cpu_ms_per_token"] == pytest.approx(1e3 * 0.1e9)  # the median
 
 
 def test_a_uniform_trace_routes_to_distinct_experts(tmp_path):

@@ -113,6 +113,7 @@ def _moe(job: Job) -> dict:
         "rss": r["peak_rss"],
         "hit": r.get("hit_rate"),
         "tokens": r["tokens"],
+        "cpu": r["cpu_s_per_token"],
     }
 
 
@@ -125,6 +126,7 @@ def _llama(job: LlamaJob) -> dict:
         "missed": None,
         "rss": r["peak_rss"],
         "hit": None,
+        "cpu": None,  # llama-bench's own process: not counted
     }
 
 
@@ -228,6 +230,9 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
                 "disk_mb_s": dpt * tps / 1e6,
                 "peak_rss": max(r["rss"] for r in runs),
                 "hit_rate": runs[0]["hit"],
+                "cpu_ms_per_token": None
+                if runs[0]["cpu"] is None
+                else 1e3 * statistics.median(r["cpu"] for r in runs),
                 "roofline_s": statistics.median(bounds),
                 "x_roofline": statistics.median(ratios),
                 "x_roofline_spread": ratios,
@@ -253,6 +258,7 @@ COLUMNS = [
     ("read_mb_per_token", "read MB/tok", "{:.0f}"),
     ("disk_mb_per_token", "disk MB/tok", "{:.0f}"),
     ("disk_mb_s", "disk MB/s", "{:.0f}"),
+    ("cpu_ms_per_token", "CPU ms/tok", "{:.0f}"),
     ("peak_rss", "peak RSS MB", "{:.0f}"),
     ("roofline_s", "roofline s/tok", "{:.2f}"),
     ("x_roofline", "x roofline", "{:.2f}"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -91,12 +92,12 @@ def run(job: Job) -> dict:
     next(steps)  # prefill, and the first token
     prefill = time.perf_counter() - start
     _restart(job, runtime)
-    disk = read_bytes()
+    disk, cpu = read_bytes(), _cpu_seconds()
     start = time.perf_counter()
     tokens = [int(t) for t, _ in steps]
     n = len(tokens)
     decode = time.perf_counter() - start
-    disk = read_bytes() - disk
+    disk, cpu = read_bytes() - disk, _cpu_seconds() - cpu
     result = {
         "prefill_s": prefill,
         "prefill_tps": job.prompt_tokens / prefill,
@@ -104,6 +105,8 @@ def run(job: Job) -> dict:
         "decode_tokens": n,
         # from storage, as the kernel counts it (page-cache hits count nothing)
         "disk_bytes_per_token": disk / max(n, 1),
+        # this process's CPU time (every thread, user and kernel) a token
+        "cpu_s_per_token": cpu / max(n, 1),
         "tokens": tokens,
         "peak_rss": peak_rss(),
         "device_peak": mx.get_peak_memory() if mx.default_device() != mx.cpu else None,
@@ -111,6 +114,11 @@ def run(job: Job) -> dict:
     if runtime is not None:
         result.update(_streaming_result(job, runtime, n))
     return result
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
