@@ -53,7 +53,7 @@ def test_beyond_ram_without_a_gguf_plans_moestream_rows_only(tmp_path):
 
 def test_each_repeat_is_held_to_its_own_compute_term():
     def run(tps: float, disk: float = 0.0) -> dict:
-        keys = ("read", "missed", "rss", "hit", "cpu")
+        keys = ("read", "missed", "rss", "hit", "cpu", "system")
         return {"tps": tps, "disk": disk, **dict.fromkeys(keys, disk)}
 
     # the machine ran at half speed in the second repeat, in RAM and under the

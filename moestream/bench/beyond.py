@@ -114,6 +114,7 @@ def _moe(job: Job) -> dict:
         "hit": r.get("hit_rate"),
         "tokens": r["tokens"],
         "cpu": r["cpu_s_per_token"],
+        "system": r["system_s_per_token"],
     }
 
 
@@ -127,6 +128,7 @@ def _llama(job: LlamaJob) -> dict:
         "rss": r["peak_rss"],
         "hit": None,
         "cpu": None,  # llama-bench's own process: not counted
+        "system": None,
     }
 
 
@@ -233,6 +235,9 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
                 "cpu_ms_per_token": None
                 if runs[0]["cpu"] is None
                 else 1e3 * statistics.median(r["cpu"] for r in runs),
+                "system_ms_per_token": None
+                if runs[0]["system"] is None
+                else 1e3 * statistics.median(r["system"] for r in runs),
                 "roofline_s": statistics.median(bounds),
                 "x_roofline": statistics.median(ratios),
                 "x_roofline_spread": ratios,
@@ -259,6 +264,7 @@ COLUMNS = [
     ("disk_mb_per_token", "disk MB/tok", "{:.0f}"),
     ("disk_mb_s", "disk MB/s", "{:.0f}"),
     ("cpu_ms_per_token", "CPU ms/tok", "{:.0f}"),
+    ("system_ms_per_token", "of it kernel", "{:.0f}"),
     ("peak_rss", "peak RSS MB", "{:.0f}"),
     ("roofline_s", "roofline s/tok", "{:.2f}"),
     ("x_roofline", "x roofline", "{:.2f}"),
