@@ -203,20 +203,21 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
     out = []
     for (name, mode, where), runs in results.items():
         tps = statistics.median(r["tps"] for r in runs)
-        dpt = statistics.median(r["disk"] for r in runs)
-        own = compute.get(name.split()[0], compute.get("moestream", []))
-        terms = [own[i] if i < len(own) else 0.0 for i in range(len(runs))]
-        pairs = list(zip(terms, runs, strict=True))
-        bounds = [max(c, r["disk"] / limit) for c, r in pairs]
+        dpt = _median(runs, "disk")
+        # no in-RAM rows (--no-in-ram): the disk's term alone
+        terms = compute.get(name.split()[0], compute.get("moestream", []))
+        terms = terms or [0.0] * len(runs)
+        bounds = [max(c, r["disk"] / limit) for c, r in zip(terms, runs, strict=True)]
         ratios = [b * r["tps"] for b, r in zip(bounds, runs, strict=True)]
         # The same against the records the slots missed (one a miss), as if
         # each came from the disk and nothing else did: reads ahead that no
         # slot took are not credited to the roofline here.
-        missed = strict = None
-        if runs[0]["missed"] is not None:
-            missed = statistics.median(r["missed"] for r in runs)
+        missed = _median(runs, "missed")
+        strict = None
+        if missed is not None:
             strict = statistics.median(
-                max(c, r["missed"] / limit) * r["tps"] for c, r in pairs
+                max(c, r["missed"] / limit) * r["tps"]
+                for c, r in zip(terms, runs, strict=True)
             )
         out.append(
             {
@@ -226,18 +227,12 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
                 "decode_tps": tps,
                 "spread": [r["tps"] for r in runs],
                 "disk_mb_per_token": dpt / 1e6,
-                "read_mb_per_token": None
-                if runs[0]["read"] is None
-                else statistics.median(r["read"] for r in runs) / 1e6,
+                "read_mb_per_token": _median(runs, "read", 1e-6),
                 "disk_mb_s": dpt * tps / 1e6,
                 "peak_rss": max(r["rss"] for r in runs),
                 "hit_rate": runs[0]["hit"],
-                "cpu_ms_per_token": None
-                if runs[0]["cpu"] is None
-                else 1e3 * statistics.median(r["cpu"] for r in runs),
-                "system_ms_per_token": None
-                if runs[0]["system"] is None
-                else 1e3 * statistics.median(r["system"] for r in runs),
+                "cpu_ms_per_token": _median(runs, "cpu", 1e3),
+                "system_ms_per_token": _median(runs, "system", 1e3),
                 "roofline_s": statistics.median(bounds),
                 "x_roofline": statistics.median(ratios),
                 "x_roofline_spread": ratios,
@@ -252,6 +247,14 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
         "compute_s": compute_s,
         "rows": out,
     }
+
+
+def _median(runs: list[dict], key: str, scale: float = 1.0) -> float | None:
+    """The runs' median `key` times `scale`; None where it is not measured
+    (llama.cpp's rows)."""
+    if runs[0][key] is None:
+        return None
+    return scale * statistics.median(r[key] for r in runs)
 
 
 COLUMNS = [
