@@ -305,18 +305,25 @@ static int threads_or_all(int threads) {
 // The routed experts of `pairs` (token, k) pairs: gate and up, SwiGLU, down,
 // each pair's output rows split over threads. mat(p, pair) is projection p
 // (gate, up, down) of the pair's expert.
+// `which` (when given) names the pairs to compute, `pairs` of them; a pair's
+// arithmetic is the same whichever others run beside it.
 static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
                       int64_t hidden, int64_t d_out,
                       const std::function<Matrix(int, int64_t)>& mat,
-                      const RowsFn (&fn)[3], float* y, int threads) {
+                      const RowsFn (&fn)[3], float* y, int threads,
+                      const int64_t* which = nullptr) {
+  if (pairs == 0) {
+    return;
+  }
   std::vector<float> h(pairs * hidden), g(pairs * hidden);
+  auto pair_at = [&](int64_t i) { return which ? which[i] : i; };
   int64_t hb = (hidden + kBlock - 1) / kBlock;
   parallel_for(int(pairs * hb), threads, [&](int task) {
-    int64_t pair = task / hb, r0 = task % hb * kBlock;
+    int64_t i = task / hb, r0 = task % hb * kBlock, pair = pair_at(i);
     int64_t r1 = std::min(hidden, r0 + kBlock);
     const float* xt = x + pair / k * d_in;
-    float* hp = h.data() + pair * hidden;
-    float* gp = g.data() + pair * hidden;
+    float* hp = h.data() + i * hidden;
+    float* gp = g.data() + i * hidden;
     matvec(mat(0, pair), fn[0], r0, r1, xt, gp);
     matvec(mat(1, pair), fn[1], r0, r1, xt, hp);
     for (int64_t r = r0; r < r1; r++) {
@@ -325,9 +332,9 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
   });
   int64_t db = (d_out + kBlock - 1) / kBlock;
   parallel_for(int(pairs * db), threads, [&](int task) {
-    int64_t pair = task / db, r0 = task % db * kBlock;
+    int64_t i = task / db, r0 = task % db * kBlock, pair = pair_at(i);
     int64_t r1 = std::min(d_out, r0 + kBlock);
-    matvec(mat(2, pair), fn[2], r0, r1, h.data() + pair * hidden,
+    matvec(mat(2, pair), fn[2], r0, r1, h.data() + i * hidden,
            y + pair * d_out);
   });
 }
@@ -358,7 +365,7 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
 }
 
 static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
-                                  mx::array& out, const ExpertCache& cache,
+                                  mx::array& out, ExpertCache& cache,
                                   const std::vector<MappedProjection>& proj,
                                   int threads) {
   const auto& x = in[0];
@@ -373,9 +380,7 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
   const RowsFn fn[3] = {rows_fn(proj[0].spec.bits, proj[0].format),
                         rows_fn(proj[1].spec.bits, proj[1].format),
                         rows_fn(proj[2].spec.bits, proj[2].format)};
-  run_pairs(
-      x.data<float>(), pairs, k, d_in, proj[0].rows, proj[2].rows,
-      [&](int p, int64_t pair) {
+  auto mat = [&](int p, int64_t pair) {
         const MappedProjection& q = proj[p];
         const uint8_t* record = cache.mapped_record(int(expert[pair]));
         Matrix m;
@@ -389,8 +394,23 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
         m.biases = record + q.biases;
         m.format = q.format;
         return m;
-      },
-      fn, out.data<float>(), threads);
+      };
+  auto pending = cache.take_pending();
+  if (!pending) {
+    run_pairs(x.data<float>(), pairs, k, d_in, proj[0].rows, proj[2].rows, mat,
+              fn, out.data<float>(), threads);
+    return;
+  }
+  // The pairs whose records are here first, while the rest are read.
+  std::vector<int64_t> ready, later;
+  for (int64_t p = 0; p < pairs; p++) {
+    (pending->in_flight[expert[p]] ? later : ready).push_back(p);
+  }
+  run_pairs(x.data<float>(), int64_t(ready.size()), k, d_in, proj[0].rows,
+            proj[2].rows, mat, fn, out.data<float>(), threads, ready.data());
+  cache.finish(*pending);
+  run_pairs(x.data<float>(), int64_t(later.size()), k, d_in, proj[0].rows,
+            proj[2].rows, mat, fn, out.data<float>(), threads, later.data());
 }
 
 // Allocates `out` and runs `task` on the CPU stream's thread, inputs kept alive.

@@ -85,8 +85,9 @@ class QuantMatmul : public mx::Primitive {
 };
 
 // ExpertMlp on records read in place: inputs x `[T, D]` and the routed
-// expert ids `[T, k]` (a mapped cache's fetch: verified and read ahead), each
-// expert's gate, up and down read from the cache's mapping of its blob.
+// expert ids `[T, k]` (a mapped cache's fetch), each expert's gate, up and
+// down read from the cache's mapping of its blob. The pairs whose records
+// the fetch left being read (or checked) run last, once those reads end.
 class ExpertMlpMapped : public mx::Primitive {
  public:
   ExpertMlpMapped(mx::Stream s, std::shared_ptr<ExpertCache> cache,

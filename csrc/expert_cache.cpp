@@ -528,6 +528,9 @@ std::vector<int> ExpertCache::distinct(const uint32_t* experts, int64_t n,
 
 void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
                                  int tokens, uint32_t* out, CallRecord* rec) {
+  if (pending_) { // a call whose kernel never ran: its reads end first
+    finish(*take_pending());
+  }
   std::vector<char> seen(num_experts, 0), absent(num_experts, 0);
   std::vector<int> unique = distinct(experts, n, seen), todo;
   if (rec) {
@@ -550,30 +553,77 @@ void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
     }
   }
   // Then the misses, and records routed for the first time, in pieces over
-  // the readers: a piece's pages mapped in (read where absent) and, the
-  // first time, checksummed: as a read into a slot does, with no copy.
-  int64_t piece = piece_bytes();
-  int per = int((record_nbytes + piece - 1) / piece);
-  auto length = [&](int i) { return std::min(piece, record_nbytes - i * piece); };
-  std::vector<uint32_t> crcs(todo.size() * per, 0);
-  parallel_reads(int(crcs.size()), readers, [&](int i) {
-    int e = todo[i / per];
-    const uint8_t* at = mapped_record(e) + int64_t(i % per) * piece;
-    if (absent[e]) {
-      populate(e, at, length(i % per));
-    }
-    if (verify_ && !verified_[e]) {
-      crcs[i] = crc32(at, length(i % per));
-    }
-  });
-  for (size_t r = 0; r < todo.size(); r++) {
-    if (verify_ && !verified_[todo[r]]) {
-      check_pieces(todo[r], crcs.data() + r * per);
-    }
+  // the readers, left in flight for the kernel: a piece's pages mapped in
+  // (read where absent) and, the first time, checksummed, as a read into a
+  // slot does, with no copy. The kernel computes the call's other experts
+  // meanwhile and waits for these before their pairs (ExpertMlpMapped;
+  // measured in docs/beyond-ram.md).
+  if (!todo.empty()) {
+    read_behind(todo, absent);
   }
   used(unique, tokens);
   for (int64_t i = 0; i < n; i++) {
     out[i] = experts[i];
+  }
+}
+
+void ExpertCache::read_behind(const std::vector<int>& todo,
+                              const std::vector<char>& absent) {
+  int64_t piece = piece_bytes();
+  int per = int((record_nbytes + piece - 1) / piece);
+  auto p = std::make_shared<PendingReads>();
+  p->experts = todo;
+  p->in_flight.assign(num_experts, 0);
+  for (int e : todo) {
+    p->absent.push_back(absent[e]);
+    p->check.push_back(verify_ && !verified_[e]);
+    p->in_flight[e] = 1;
+  }
+  p->crcs.assign(todo.size() * per, 0);
+  int pieces = int(todo.size()) * per;
+  p->left = pieces;
+  for (int i = 0; i < pieces; i++) {
+    submit_read([self = shared_from_this(), p, i, per, piece] {
+      size_t r = size_t(i / per);
+      int e = p->experts[r];
+      int64_t at = int64_t(i % per) * piece;
+      int64_t len = std::min(piece, self->record_nbytes - at);
+      std::exception_ptr error;
+      try {
+        if (p->absent[r]) {
+          self->populate(e, self->mapped_record(e) + at, len);
+        }
+        if (p->check[r]) {
+          p->crcs[i] = crc32(self->mapped_record(e) + at, len);
+        }
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(p->mutex);
+      if (error && !p->error) {
+        p->error = error;
+      }
+      if (--p->left == 0) {
+        p->done.notify_all();
+      }
+    }, true, readers);
+  }
+  pending_ = std::move(p);
+}
+
+void ExpertCache::finish(PendingReads& p) {
+  {
+    std::unique_lock<std::mutex> lock(p.mutex);
+    p.done.wait(lock, [&] { return p.left == 0; });
+  }
+  if (p.error) {
+    std::rethrow_exception(p.error);
+  }
+  int per = int(p.crcs.size() / std::max<size_t>(1, p.experts.size()));
+  for (size_t r = 0; r < p.experts.size(); r++) {
+    if (p.check[r] && !verified_[p.experts[r]]) {
+      check_pieces(p.experts[r], p.crcs.data() + r * per);
+    }
   }
 }
 

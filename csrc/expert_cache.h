@@ -3,6 +3,8 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <cstdint>
@@ -58,6 +60,19 @@ class ReadError : public std::runtime_error {
 };
 // Whether `what` is the message of a ReadError of this process.
 bool is_read_error(const char* what);
+
+// The records of one mapped call still being read (and checked) when its
+// fetch returned: the kernel computes the call's other experts first.
+struct PendingReads {
+  std::vector<int> experts; // the call's records in flight
+  std::vector<char> absent, check; // per record: read it, check it
+  std::vector<char> in_flight; // per expert of the layer
+  std::vector<uint32_t> crcs; // per piece
+  std::mutex mutex;
+  std::condition_variable done;
+  int left{0}; // pieces not yet done
+  std::exception_ptr error;
+};
 
 struct GpuState; // CUDA side: pinned buffers and kernels (cuda_fetch.cu)
 
@@ -138,9 +153,11 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // routed record where the page cache holds it, and nothing is copied. A
   // call counts a record a hit when every page of it is in the page cache
   // (mincore), else a miss whose absent bytes it counts read; it asks the
-  // kernel to read a call's misses at once (MADV_WILLNEED) and checks each
-  // record's checksum the first time it is routed. Once, at load; throws one
-  // line when the file is shorter than its records.
+  // kernel to read a call's misses at once (MADV_WILLNEED), has the readers
+  // map them in and check each record's checksum the first time it is
+  // routed, and leaves those reads in flight for the call's kernel
+  // (take_pending). Once, at load; throws one line when the file is shorter
+  // than its records.
   void map_blob();
   bool mapped() const {
     return map_ != nullptr;
@@ -166,6 +183,14 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // Read ahead the predicted experts that are not resident: into the host
   // tier, else as kernel readahead.
   void hint(const uint32_t* experts, int64_t n);
+  // The reads a mapped call left in flight, taken by its kernel (which
+  // computes the call's other experts meanwhile); null where none.
+  std::shared_ptr<struct PendingReads> take_pending() {
+    return std::exchange(pending_, nullptr);
+  }
+  // Wait for a call's reads in flight: rethrows the first failed read, then
+  // checks each record's checksum the first time.
+  void finish(PendingReads& pending);
 
   // Make `experts` resident now (host-blocking; the caller has synchronized),
   // as (part of) call `call`.
@@ -215,6 +240,9 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // `resolve` for a mapped blob: `out` is `experts`.
   void resolve_mapped(const uint32_t* experts, int64_t n, int tokens,
                       uint32_t* out, CallRecord* rec);
+  // Start reading the records of `todo` (absent[e]: its pages; else only
+  // checked) on the readers, kept in pending_ for the call's kernel.
+  void read_behind(const std::vector<int>& todo, const std::vector<char>& absent);
   // Bytes of the record's pages that are not in the page cache.
   int64_t absent_bytes(int expert);
   // Map in the pages of [at, at + n) of `expert`'s record, reading those
@@ -255,6 +283,7 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   std::vector<int> expert_in_; // slot -> expert, -1 when free
   std::vector<int> free_;
   std::vector<char> prefetched_; // hinted since its last call
+  std::shared_ptr<PendingReads> pending_;
   const bool recording_;
   std::vector<uint32_t> hinted_; // read ahead since the last call (recording)
   std::mutex records_mutex_;

@@ -1,6 +1,7 @@
 """RuntimeConfig.mapped: each blob mapped read-only and the CPU kernel reading
 every routed record in place, no slots. The logits are the resident model's
-bit for bit on every bit width, group sizes and stored float dtypes; its
+bit for bit on every bit width, group sizes and stored float dtypes, cold
+(a call's misses read while its kernel computes the other experts); its
 counters say what the page cache held; a corrupt record fails its checksum
 and a truncated blob (which a mapping would fault on) is refused at load,
 each in one line."""
@@ -58,15 +59,20 @@ def test_mapped_gives_the_resident_models_logits(
     assert {s.dtype for s in stored if s.name.endswith("scales")} == {
         str(dtype).removeprefix("mlx.core.")
     }
-    model, _ = moestream.load(tmp_path / "out", mapped=True)
+    out = tmp_path / "out"
+    model, _ = moestream.load(out, mapped=True)
     layers = [m for _, m in model.named_modules() if hasattr(m, "_mapped")]
     assert layers and all(m._mapped is not None and m.capacity == 0 for m in layers)
+    for layer in load_manifest(out).layers:  # cold: misses read under the kernel
+        drop_cache(out / layer.file)
     name = str(dtype).removeprefix("mlx.core.")
     reference = resident_model(hf, Recipe.parse(bits, group_size=group_size), name)
     ours = logits_stepwise(model, PROMPT, steps=6)  # a prefill of many pairs first
     theirs = logits_stepwise(reference, PROMPT, steps=6)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert mx.array_equal(a, b).item(), f"step {step} differs"
+    # The kernel computed pairs whose records were still being read.
+    assert moestream.stats(model).misses > 0
 
 
 @pytest.fixture(scope="module")
