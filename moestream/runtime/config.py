@@ -112,7 +112,8 @@ class RuntimeConfig:
         cache, copying nothing into slots (the page cache is then the expert
         cache, as llama.cpp's mmap makes it; memory_budget covers the rest).
         A call's absent records are read at once, in pieces over `readers`
-        threads, and the prediction reads ahead as with slots; each record's
+        threads, while the kernel computes the call's experts already in
+        memory, and the prediction reads ahead as with slots; each record's
         checksum is checked the first time it is routed. Needs the CPU kernel
         (float32, SwiGLU experts). None (default): on where a CPU's default
         slots cannot hold every expert (no memory_budget, cache_experts,
