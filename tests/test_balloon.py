@@ -78,3 +78,50 @@ def test_a_uniform_trace_routes_to_distinct_experts(tmp_path):
     assert (trace.layers, trace.tokens, trace.top_k) == (3, 200, 4)
     counts = np.bincount(trace.ids.ravel(), minlength=16)
     assert counts.min() > 0.7 * counts.mean()  # every expert, about as often
+
+
+def test_a_model_larger_than_ram_runs_without_a_balloon(tmp_path, monkeypatch):
+    """--no-balloon --compute-experts: no balloon process, the rows labelled
+    so, the compute term from the N-expert row (no llama.cpp row in RAM: its
+    GGUF does not fit), and llama.cpp's rows held to the disk alone."""
+    from moestream.bench import beyond
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_experts": 16, "num_experts_per_tok": 2})
+    )
+
+    def fake(tps: float, disk: float) -> dict:
+        keys = ("read", "missed", "rss", "hit", "cpu", "system")
+        return {"tps": tps, "disk": disk, **dict.fromkeys(keys, 0)}
+
+    def no_balloon(*args, **kwargs):
+        raise AssertionError("a balloon was started")
+
+    monkeypatch.setattr(beyond, "Balloon", no_balloon)
+    monkeypatch.setattr(beyond, "_moe", lambda job: fake(10.0 / job.capacity, 0.1e9))
+    monkeypatch.setattr(beyond, "_llama", lambda job: fake(4.0, 0.2e9))
+    cfg = BeyondConfig(
+        out=tmp_path,
+        gguf=tmp_path / "m.gguf",
+        exe=tmp_path / "llama-bench",
+        budgets=(25,),
+        compute_experts=4,
+        balloon=False,
+    )
+    results, held = beyond._repeats(cfg, beyond.compute_job(cfg, tmp_path), print)
+    assert held == 0
+    assert sorted(results) == [
+        ("llama.cpp mmap", "cold", "no balloon"),
+        ("llama.cpp mmap", "warm", "no balloon"),
+        ("moestream 25 %", "cold", "no balloon"),
+        ("moestream 25 %", "warm", "no balloon"),
+        ("moestream 4 experts", "warm", "in RAM"),
+    ]
+    rows = {
+        (r["row"], r["mode"]): r for r in summarize(results, {"limit": 1.0}, 0)["rows"]
+    }
+    # moestream: max(compute 0.4 s, disk 0.1 s) at 2.5 tok/s; 25 % slots of 16
+    # experts are 4 in the fake's arithmetic, so it runs at the compute term
+    assert rows[("moestream 25 %", "cold")]["x_roofline"] == pytest.approx(1.0)
+    # llama.cpp: the disk's 0.2 s alone at 4 tok/s
+    assert rows[("llama.cpp mmap", "cold")]["x_roofline"] == pytest.approx(0.8)

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
+from moestream.bench.beyond import BeyondConfig, compute_job
 from moestream.bench.harness import BenchConfig, plan_rows
 from moestream.bench.models import Scale, write_synthetic
 from moestream.bench.replay import belady_hits, policy_hits, policy_step_hits
@@ -286,3 +287,23 @@ def test_replay_saves_the_routing_it_records_as_a_trace(converted, tmp_path):
     config = json.loads((converted / "config.json").read_text())
     assert trace.ids.shape[1:] == (48, config["num_experts_per_tok"])
     assert trace.num_experts == config["num_experts"]
+
+
+def test_the_compute_row_of_a_model_larger_than_ram_decodes_from_slots(
+    synthetic, tmp_path
+):
+    """beyond-ram --compute-experts N: each layer's first N experts in slots,
+    every token routed uniformly among them, so decode reads nothing and its
+    time is the compute of the same arithmetic a token of any routing does."""
+    cfg = BeyondConfig(
+        out=synthetic, gguf=None, exe=None, decode_tokens=6, compute_experts=3
+    )
+    job = compute_job(cfg, tmp_path)
+    trace = load_trace(job.trace)
+    assert job.capacity == 3 and not trace.predicts
+    assert set(np.unique(trace.ids)) == {0, 1, 2}
+    assert trace.tokens > job.prompt_tokens + job.decode_tokens
+    r = run(job)
+    assert r["hit_rate"] == 1.0 and r["fill_bytes_per_token"] == 0
+    with pytest.raises(ValueError, match="--compute-experts 1: give 2"):
+        compute_job(BeyondConfig(synthetic, None, None, compute_experts=1), tmp_path)

@@ -7,8 +7,9 @@ under a balloon, against the disk's measured limit.
    compute time per token of the roofline), and llama.cpp warm; once in each
    repeat, beside that repeat's balloon rows.
 3. Under the balloon (MemAvailable held near `floor`, so the page cache has
-   about that much room): every row cold (page cache dropped first), then the
-   same row again warm (what the page cache kept). Decoding is sampled
+   about that much room; or without one, for a model larger than the whole
+   machine's RAM): every row cold (page cache dropped first), then the same
+   row again warm (what the page cache kept). Decoding is sampled
    (moestream, temperature 1) or random ids (llama-bench's tg), so routing
    does not repeat.
 
@@ -22,7 +23,9 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import tempfile
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from ..runtime.config import RuntimeConfig
 from .balloon import FLOOR, Balloon, available
 from .harness import DECODE_PROMPT_TOKENS, capacity_for, run_job
 from .llama_cpp import LlamaJob, run_llama_bench
-from .routes import check_trace, load_trace
+from .routes import check_trace, load_trace, uniform_trace, write_trace
 from .sysio import direct_read_gbps
 from .worker import Job
 
@@ -56,9 +59,15 @@ class BeyondConfig:
     # (routes.py; e.g. `uniform_trace`: routing that misses). Prefetch runs
     # on its recorded predictions (`ahead`), or is off when it has none.
     trace: Path | None = None
-    # The in-RAM rows (the roofline's compute term); off for a model whose
-    # every expert does not fit in RAM (the roofline is then the disk's alone).
+    # The in-RAM rows (the roofline's compute term); off: the roofline is the
+    # disk's alone.
     in_ram: bool = True
+    # For a model whose experts do not all fit in RAM: its in-RAM row holds
+    # each layer's first N experts in slots and routes every token uniformly
+    # among them, the same arithmetic per token as every expert resident.
+    compute_experts: int | None = None
+    # False: no balloon (a model larger than the machine's whole RAM).
+    balloon: bool = True
 
 
 def measure_disk(out: Path) -> dict:
@@ -88,6 +97,32 @@ def moestream_job(cfg: BeyondConfig, pct: float, cold: bool, runtime: dict) -> J
         trace=str(cfg.trace) if cfg.trace else None,
     )
     return replace(job, runtime=replace(job.runtime, **runtime))
+
+
+def compute_job(cfg: BeyondConfig, folder: Path) -> Job:
+    """The in-RAM row's job, the roofline's compute term: every expert in
+    slots, or with `compute_experts` N, each layer's first N with every token
+    routed uniformly among them (their trace written into `folder`)."""
+    if cfg.compute_experts is None:
+        return moestream_job(cfg, 100, False, {})
+    config = json.loads((cfg.out / "config.json").read_text())
+    n, k = cfg.compute_experts, config["num_experts_per_tok"]
+    if not k <= n <= config["num_experts"]:
+        raise ValueError(
+            f"--compute-experts {n}: give {k} (the model's top-k) to "
+            f"{config['num_experts']} (its experts per layer)."
+        )
+    path = folder / f"compute-{n}.npz"
+    tokens = DECODE_PROMPT_TOKENS + cfg.decode_tokens + 1
+    ids = uniform_trace(config.get("num_hidden_layers", 1), tokens, k, n)
+    write_trace(path, ids, meta={"geometry": {"num_experts": n}})
+    return Job(
+        str(cfg.out),
+        n,
+        prompt_tokens=DECODE_PROMPT_TOKENS,
+        decode_tokens=cfg.decode_tokens,
+        trace=str(path),
+    )
 
 
 def llama_job(cfg: BeyondConfig, cold: bool) -> LlamaJob:
@@ -161,16 +196,31 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
         check_trace(
             routes, config["num_experts"], config["num_experts_per_tok"], extras
         )
-    disk = measure_disk(cfg.out)
-    progress(f"disk: {json.dumps(disk)}")
+    with tempfile.TemporaryDirectory() as folder:
+        ram_job = compute_job(cfg, Path(folder))
+        disk = measure_disk(cfg.out)
+        progress(f"disk: {json.dumps(disk)}")
+        results, held = _repeats(cfg, ram_job, progress)
+    return summarize(results, disk, held)
+
+
+def _balloon(cfg: BeyondConfig) -> Balloon | nullcontext:
+    if not cfg.balloon:
+        return nullcontext()
+    return Balloon(leave=cfg.floor + (512 << 20), floor=cfg.floor)
+
+
+def _repeats(
+    cfg: BeyondConfig, ram_job: Job, progress: Callable[[str], None]
+) -> tuple[dict, int]:
     # Each repeat measures its own compute term in RAM (no balloon) beside its
     # balloon rows: a machine whose speed drifts over the run moves both.
     # llama.cpp's in-RAM row comes after the balloon rows, with no page cache
     # of the GGUF left to them.
-    in_ram = [
-        ("moestream 100 %", lambda: _moe(moestream_job(cfg, 100, False, {}))),
-        ("llama.cpp mmap", lambda: _llama(llama_job(cfg, False))),
-    ]
+    name = "moestream 100 %"
+    if cfg.compute_experts is not None:
+        name = f"moestream {cfg.compute_experts} experts"
+    where = "balloon" if cfg.balloon else "no balloon"
     results: dict[tuple[str, str, str], list[dict]] = {}
 
     def record(name: str, mode: str, where: str, run: Callable[[], dict]) -> None:
@@ -180,16 +230,21 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
     held = 0
     for _ in range(cfg.repeats):
         if cfg.in_ram:
-            record(in_ram[0][0], "warm", "in RAM", in_ram[0][1])
-        with Balloon(leave=cfg.floor + (512 << 20), floor=cfg.floor) as balloon:
-            left = available() >> 20
-            progress(f"balloon holds {balloon.held >> 20} MB, {left} MB left")
-            for name, mode, run in plan(cfg):
-                record(name, mode, "balloon", run)
-            held = max(held, balloon.held)
-        if cfg.gguf and cfg.in_ram:
-            record(in_ram[1][0], "warm", "in RAM", in_ram[1][1])
-    return summarize(results, disk, held)
+            record(name, "warm", "in RAM", lambda: _moe(ram_job))
+        with _balloon(cfg) as balloon:
+            size = balloon.held if balloon else 0
+            progress(f"balloon holds {size >> 20} MB, {available() >> 20} MB left")
+            for row, mode, run in plan(cfg):
+                record(row, mode, where, run)
+            held = max(held, size)
+        if cfg.gguf and cfg.in_ram and cfg.compute_experts is None:
+            record(
+                "llama.cpp mmap",
+                "warm",
+                "in RAM",
+                lambda: _llama(llama_job(cfg, False)),
+            )
+    return results, held
 
 
 def summarize(results: dict, disk: dict, held: int) -> dict:
@@ -204,9 +259,9 @@ def summarize(results: dict, disk: dict, held: int) -> dict:
     for (name, mode, where), runs in results.items():
         tps = statistics.median(r["tps"] for r in runs)
         dpt = _median(runs, "disk")
-        # no in-RAM rows (--no-in-ram): the disk's term alone
-        terms = compute.get(name.split()[0], compute.get("moestream", []))
-        terms = terms or [0.0] * len(runs)
+        # an engine with no in-RAM row (--no-in-ram; llama.cpp beside
+        # --compute-experts): the disk's term alone
+        terms = compute.get(name.split()[0]) or [0.0] * len(runs)
         bounds = [max(c, r["disk"] / limit) for c, r in zip(terms, runs, strict=True)]
         ratios = [b * r["tps"] for b, r in zip(bounds, runs, strict=True)]
         # The same against the records the slots missed (one a miss), as if

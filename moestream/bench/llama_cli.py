@@ -269,6 +269,19 @@ def compare_cmd(
     "the roofline is then the disk's alone.",
 )
 @click.option(
+    "--compute-experts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="For a model whose experts do not all fit in RAM: measure the compute "
+    "term with each layer's first N experts in slots, every token routed "
+    "uniformly among them (the same arithmetic per token).",
+)
+@click.option(
+    "--no-balloon",
+    is_flag=True,
+    help="No balloon: for a model larger than the machine's whole RAM.",
+)
+@click.option(
     "--build-dir", type=click.Path(path_type=Path), default=BUILD, show_default=True
 )
 @click.option("--json", "as_json", is_flag=True)
@@ -288,6 +301,8 @@ def beyond_cmd(
     ngl: int | None,
     n_cpu_moe: int | None,
     no_in_ram: bool,
+    compute_experts: int | None,
+    no_balloon: bool,
     build_dir: Path,
     as_json: bool,
 ) -> None:
@@ -313,6 +328,8 @@ def beyond_cmd(
             runtime_fields=tuple(parse_compare(c) for c in compare),
             trace=trace,
             in_ram=not no_in_ram,
+            compute_experts=compute_experts,
+            balloon=not no_balloon,
         )
         main(cfg, as_json)
 
