@@ -21,14 +21,20 @@ namespace moestream {
 
 namespace {
 
-// Sixteen floats: one output row's running sum in each lane (one AVX-512
-// vector where the CPU has it, else two or four narrower ones: the same
-// lanes, the same arithmetic). Built with -ffp-contract=off (CMakeLists.txt):
-// a multiply and an add stay two roundings, as in MLX's scalar loop.
-using VF = float __attribute__((vector_size(64)));
-using VU = uint32_t __attribute__((vector_size(64)));
-using VI = int32_t __attribute__((vector_size(64)));
+// One output row's running sum in each lane: sixteen where the CPU has
+// AVX-512 (one vector of its 32 registers), eight elsewhere (one AVX2
+// vector: sixteen would be two of its 16 registers each and spill). Each
+// lane's arithmetic is the same either way. Built with -ffp-contract=off
+// (CMakeLists.txt): a multiply and an add stay two roundings, as in MLX's
+// scalar loop.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+using VF = float __attribute__((vector_size(4 * kLanes)));
+using VU = uint32_t __attribute__((vector_size(4 * kLanes)));
+using VI = int32_t __attribute__((vector_size(4 * kLanes)));
 constexpr int kRows = 2 * kLanes; // of one rows_block call
 
 // Threads that wait for work; the caller takes tasks too.
