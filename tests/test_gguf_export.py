@@ -130,3 +130,23 @@ def test_llama_rows_one_set_per_n_cpu_moe(tmp_path: Path) -> None:
         ("-ngl 99 -ncmoe 24", "warm"),
         ("-ngl 99 -ncmoe 24", "cold"),
     ]
+
+
+def test_a_failing_llama_bench_says_why_and_what_to_do(tmp_path: Path) -> None:
+    from moestream.bench.llama_cpp import LlamaJob, ToolError, run_llama_bench
+
+    exe = tmp_path / "llama-bench"
+    exe.write_text(
+        "#!/bin/sh\n"
+        "echo 'alloc_tensor_range: failed to allocate CPU_REPACK buffer' >&2\n"
+        "echo 'llama_bench: error: failed to load model' >&2\n"
+        "exit 1\n"
+    )
+    exe.chmod(0o755)
+    job = LlamaJob(str(exe), str(tmp_path / "m.gguf"), decode_tokens=4)
+    with pytest.raises(ToolError) as e:
+        run_llama_bench(job)
+    message = str(e.value)
+    assert message.startswith("llama-bench failed (1): llama_bench: error: failed")
+    assert "--llama-arg=--repack --llama-arg=0" in message
+    assert message.endswith(" ".join(job.argv()))

@@ -196,6 +196,8 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
         check_trace(
             routes, config["num_experts"], config["num_experts_per_tok"], extras
         )
+    if cfg.gguf:  # llama.cpp loads it (a token), before an hour of rows
+        _llama(replace(llama_job(cfg, False), decode_tokens=1))
     with tempfile.TemporaryDirectory() as folder:
         ram_job = compute_job(cfg, Path(folder))
         disk = measure_disk(cfg.out)

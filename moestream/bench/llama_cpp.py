@@ -241,17 +241,15 @@ def run_llama_bench(job: LlamaJob) -> dict:
     if job.cold:
         drop_cache(Path(job.gguf))
     before = read_bytes()
-    with open(os.devnull, "wb") as null, _TempText() as out:
+    with _TempText() as out, _TempText() as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(job.argv(), stdout=out.file, stderr=null)
+        proc = subprocess.Popen(job.argv(), stdout=out.file, stderr=err.file)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - start
         text = out.read()
-    if proc.returncode != 0:
-        raise ToolError(
-            f"llama-bench failed ({proc.returncode}): {' '.join(job.argv())}"
-        )
+        if proc.returncode != 0:
+            raise ToolError(_failure(job, proc.returncode, err.read()))
     tests = json.loads(text)
     test = tests[0]
     tokens = (job.prompt_tokens + job.decode_tokens) * job.repeats
@@ -271,6 +269,21 @@ def run_llama_bench(job: LlamaJob) -> dict:
         "model_size": test.get("model_size"),
         "backends": test.get("backends"),
     }
+
+
+def _failure(job: LlamaJob, code: int, stderr: str) -> str:
+    """llama-bench's exit: its last error line, its command, and what to do
+    where that is known."""
+    lines = stderr.strip().splitlines()
+    errors = [x for x in lines if "error" in x.lower()] or lines or ["(no output)"]
+    message = f"llama-bench failed ({code}): {errors[-1].strip()}"
+    if "CPU_REPACK" in stderr:
+        message += (
+            " (llama.cpp repacks this GGUF's weights into memory of its own, "
+            "which a model larger than RAM cannot have: pass "
+            "--llama-arg=--repack --llama-arg=0 to read them mapped)"
+        )
+    return f"{message}; command: {' '.join(job.argv())}"
 
 
 class _TempText:
