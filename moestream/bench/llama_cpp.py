@@ -186,14 +186,18 @@ def build_llama(build: Path, variant: str = "cpu", jobs: int | None = None) -> P
     return exe
 
 
+def _last_error(output: str) -> str | None:
+    """A tool's last line that says "error", else its last line (None: silent)."""
+    lines = [x.strip() for x in output.strip().splitlines()]
+    errors = [x for x in lines if "error" in x.lower()] or lines
+    return errors[-1] if errors else None
+
+
 def _check(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        lines = (proc.stdout + proc.stderr).strip().splitlines()
-        errors = [x for x in lines if "error" in x.lower()] or lines
-        raise ToolError(
-            f"{' '.join(cmd[:3])} failed: {errors[-1] if errors else proc.returncode}"
-        )
+        error = _last_error(proc.stdout + proc.stderr) or proc.returncode
+        raise ToolError(f"{' '.join(cmd[:3])} failed: {error}")
 
 
 @dataclass(frozen=True)
@@ -274,9 +278,8 @@ def run_llama_bench(job: LlamaJob) -> dict:
 def _failure(job: LlamaJob, code: int, stderr: str) -> str:
     """llama-bench's exit: its last error line, its command, and what to do
     where that is known."""
-    lines = stderr.strip().splitlines()
-    errors = [x for x in lines if "error" in x.lower()] or lines or ["(no output)"]
-    message = f"llama-bench failed ({code}): {errors[-1].strip()}"
+    error = _last_error(stderr) or "(no output)"
+    message = f"llama-bench failed ({code}): {error}"
     if "CPU_REPACK" in stderr:
         message += (
             " (llama.cpp repacks this GGUF's weights into memory of its own, "
