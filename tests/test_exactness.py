@@ -86,14 +86,14 @@ def test_plan_memory_splits_the_budget(converted, monkeypatch):
     from mlx_lm.utils import load_config
 
     from moestream.formats import load_manifest
-    from moestream.runtime import BudgetError, loader
+    from moestream.runtime import BudgetError, loader, memory
     from moestream.runtime.loader import plan_memory
 
     m, config = load_manifest(converted), load_config(converted)
     args = (m, config, 10 << 20, mx.float32, 100 << 20, 1024)
     scaled = plan_memory(*args, 1 << 30, None)
     assert scaled.reserve == loader.RESERVE_BYTES + int(0.03 * (1 << 30))
-    monkeypatch.setattr(loader, "RESERVE_FRACTION", 0.0)
+    monkeypatch.setattr(memory, "RESERVE_FRACTION", 0.0)
     base = plan_memory(*args, None, 1)
     fixed = base.total - base.pools
     plan = plan_memory(*args, fixed + 3 * base.slot_bytes + base.slot_bytes // 2, None)

@@ -201,7 +201,7 @@ def test_run_moe_mapped_generates_what_slots_generate(converted: Path):
 
 
 def test_mapped_is_the_default_where_slots_do_not_all_fit(converted: Path, monkeypatch):
-    from moestream.runtime import loader
+    from moestream.runtime import loader, memory
 
     experts = load_manifest(converted).layers[0].num_experts
     default, _ = moestream.load(converted)  # every expert's slot fits here
@@ -212,7 +212,7 @@ def test_mapped_is_the_default_where_slots_do_not_all_fit(converted: Path, monke
     monkeypatch.setattr(loader, "_process_bytes", lambda: 200 << 20)
     p = plan_for(converted, RuntimeConfig(cache_experts=experts // 2))
     half = loader._budget_holding(p.total - p.reserve + p.slot_bytes // 2)
-    monkeypatch.setattr(loader, "default_budget", lambda need, process: half)
+    monkeypatch.setattr(memory, "default_budget", lambda need, process: half)
     model, _ = moestream.load(converted)
     runtime = moestream.runtime_of(model)
     assert runtime.config.mapped is True and runtime.plan.mapped

@@ -29,7 +29,7 @@ from moestream.evaluate import evaluate, sequences
 from moestream.generate import encode_prompt
 from moestream.options import engine_options, field_help
 from moestream.reference import resident_from_converted
-from moestream.runtime import RuntimeConfig, loader, native
+from moestream.runtime import RuntimeConfig, loader, memory, native
 from moestream.trace import read_trace
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 12
@@ -408,10 +408,10 @@ def test_default_budget_is_what_the_model_needs(converted: Path, monkeypatch) ->
     assert plan.total <= plan.budget < plan.total + (1 << 20)
     assert plan.reserve == loader.RESERVE_BYTES + int(0.03 * plan.budget)
     need = 100 << 20
-    monkeypatch.setattr(loader, "available_memory", lambda: 10 << 30)
-    assert loader.default_budget(need, 50 << 20) == loader._budget_holding(need)
-    monkeypatch.setattr(loader, "available_memory", lambda: 40 << 20)
-    assert loader.default_budget(need, 50 << 20) == int(0.8 * (90 << 20))
+    monkeypatch.setattr(memory, "available_memory", lambda: 10 << 30)
+    assert memory.default_budget(need, 50 << 20) == memory._budget_holding(need)
+    monkeypatch.setattr(memory, "available_memory", lambda: 40 << 20)
+    assert memory.default_budget(need, 50 << 20) == int(0.8 * (90 << 20))
 
 
 def test_plan_forecast_from_probes(converted: Path, monkeypatch) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,7 +20,6 @@ from tqdm import tqdm
 from ..families import (
     build_model,
     cast_floating,
-    get_family,
     layer_index,
     quantize_as_configured,
     replace_module,
@@ -31,9 +28,20 @@ from ..families import (
 from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
-from ..units import human_bytes, parse_size, peak_rss
+from ..units import human_bytes, parse_size
 from . import native
 from .config import RuntimeConfig
+from .memory import (  # noqa: F401  (re-exported: the plan's old home)
+    PREFILL_STEP,
+    RESERVE_BYTES,
+    RESERVE_FRACTION,
+    BudgetError,
+    MemoryPlan,
+    _budget_holding,
+    _process_bytes,
+    available_memory,
+    plan_memory,
+)
 from .prefetch import chain_prefetch, router_predictor  # noqa: F401  (old home)
 from .stats import RuntimeStats
 from .store import ExpertStore, check_layers
@@ -41,15 +49,9 @@ from .switch import Outstanding, StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
 
-# mlx-lm's generate_step prefills in chunks of this many tokens.
-PREFILL_STEP = 2048
 # O_DIRECT's alignment of a destination (RuntimeConfig.direct_io): 4 KiB
 # covers every Linux block size (csrc ExpertCache::kDirectAlign).
 DIRECT_ALIGN = 4096
-# Kept free under a budget for malloc slack and fragmentation that no allocator
-# counter sees (measured: peak RSS ran 1-5 % over MLX's own peak plus process).
-RESERVE_BYTES = 32 << 20
-RESERVE_FRACTION = 0.03
 # glibc's mallopt parameter number, and the threshold set under a budget.
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 20
@@ -57,74 +59,6 @@ MMAP_THRESHOLD = 1 << 20
 
 # Cuts a lazily built model to the decoder layers one process runs; returns them.
 Shard = Callable[[nn.Module], range]
-
-
-class BudgetError(ValueError):
-    """A memory budget the model cannot run in."""
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """How `--memory-budget` splits; every figure in bytes."""
-
-    budget: int | None
-    process: int
-    dense: int
-    kv_cache: int
-    activations: int
-    staging: int  # a record being widened, the spare slots
-    reserve: int  # allocator slack and fragmentation outside MLX's accounting
-    slot_bytes: int  # one slot in every MoE layer
-    capacity: int
-    num_experts: int
-    concurrency: int = 1  # sequences the KV cache and activations are sized for
-    # The native engine's host tier (RuntimeConfig.host_budget): records of
-    # `host_record` bytes in host memory (pinned on a GPU), outside `budget`.
-    host_records: int = 0
-    host_record: int = 0
-    host_budget: int | None = None
-    host_pinned: bool = False
-    mapped: bool = False  # RuntimeConfig.mapped: no slots (capacity 0)
-
-    @property
-    def host_tier(self) -> int:
-        return self.host_records * self.host_record
-
-    @property
-    def pools(self) -> int:
-        return self.slot_bytes * self.capacity
-
-    @property
-    def total(self) -> int:
-        fixed = self.process + self.dense + self.kv_cache + self.activations
-        return fixed + self.staging + self.reserve + self.pools
-
-    def describe(self) -> str:
-        h = human_bytes
-        seqs = f" ({self.concurrency} sequences)" if self.concurrency > 1 else ""
-        return (
-            f"memory plan: process {h(self.process)} + dense {h(self.dense)} + KV "
-            f"{h(self.kv_cache)}{seqs} + activations {h(self.activations)} + staging "
-            f"{h(self.staging)} + reserve {h(self.reserve)} + experts "
-            + (
-                "mapped (the page cache holds them)"
-                if self.mapped
-                else f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer)"
-            )
-            + f" = {h(self.total)}"
-            + (f" of {h(self.budget)}" if self.budget else "")
-            + self.describe_host()
-        )
-
-    def describe_host(self) -> str:
-        if not self.host_records:
-            return ""
-        kind = "pinned " if self.host_pinned else ""
-        bound = f" of {human_bytes(self.host_budget)}" if self.host_budget else ""
-        return (
-            f"; host tier {human_bytes(self.host_tier)}{bound} ({kind}host memory, "
-            f"{self.host_records} records of {human_bytes(self.host_record)})"
-        )
 
 
 @dataclass
@@ -460,12 +394,6 @@ def budget_for(
     return _budget_holding(plan.total - plan.reserve, growth=0.01)
 
 
-def _budget_holding(unreserved: int, growth: float = 0.0) -> int:
-    """The smallest budget whose reserve and remainder hold `unreserved` bytes."""
-    need = (1 + growth) * (unreserved + RESERVE_BYTES)
-    return math.ceil(need / (1 - RESERVE_FRACTION))
-
-
 def plan_for(
     path: str | Path, config: RuntimeConfig | None = None, shard: Shard | None = None
 ) -> MemoryPlan:
@@ -525,11 +453,6 @@ def _cut(
     if isinstance(config.get("text_config"), dict):
         config["text_config"] = {**config["text_config"], **n}
     return replace(manifest, layers=mine), config, keep
-
-
-def _text_config(config: dict) -> dict:
-    """Vision-language checkpoints (qwen3_5_moe) keep the text model's sizes apart."""
-    return {**config, **config.get("text_config", {})}
 
 
 def _bound_allocators(plan: MemoryPlan) -> None:
@@ -621,147 +544,3 @@ def _nbytes(model: nn.Module) -> int:
     """Bytes of the model's parameters other than the routed experts."""
     total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return total - sum(v.nbytes for v in _expert_params(model).values())
-
-
-def plan_memory(
-    manifest: Manifest,
-    config: dict,
-    dense: int,
-    compute: mx.Dtype,
-    process: int,
-    context: int,
-    budget: int | None,
-    cache_experts: int | None,
-    spare_slot: bool = False,
-    concurrency: int = 1,
-) -> MemoryPlan:
-    """Split `budget`; `concurrency` sequences decode at once, and each layer
-    needs a slot for every expert one step of theirs can route to."""
-    top_k = get_family(config).top_k(config)
-    config = _text_config(config)
-    num_experts = max((x.num_experts for x in manifest.layers), default=0)
-    least = min(num_experts, concurrency * top_k)
-    slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
-    kv = concurrency * _kv_bytes(config, context, compute)
-    act = concurrency * _activation_bytes(config, context, top_k)
-    staging = max((x.record_nbytes for x in manifest.layers), default=0)
-    staging += slot if spare_slot else 0  # the spare zero slot of whole groups
-    if cache_experts is None and budget is None:
-        fixed = process + dense + kv + act + staging
-        budget = default_budget(fixed + num_experts * slot, process)
-    reserve = RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))
-    plan = MemoryPlan(
-        budget, process, dense, kv, act, staging, reserve, slot,
-        capacity=num_experts, num_experts=num_experts, concurrency=concurrency,
-    )  # fmt: skip
-    if cache_experts is not None:
-        capacity = _capacity_given(plan, cache_experts, least)
-    else:
-        capacity = _capacity_fitting(plan, least)
-    return replace(plan, capacity=capacity)
-
-
-def _capacity_given(plan: MemoryPlan, cache_experts: int, least: int) -> int:
-    """--cache-experts, checked against the budget and the concurrency."""
-    if not cache_experts >= 1:
-        raise BudgetError(f"--cache-experts must be at least 1, got {cache_experts}.")
-    capacity = min(cache_experts, plan.num_experts)
-    if plan.concurrency > 1 and capacity < least:
-        raise BudgetError(
-            f"{plan.concurrency} sequences decoded at once route to up to {least} "
-            f"experts per layer, more than {capacity} slots; give "
-            f"--cache-experts {least} or more, or decode fewer at once."
-        )
-    need = plan.total - plan.pools + capacity * plan.slot_bytes
-    if plan.budget is not None and need > plan.budget:
-        raise BudgetError(
-            f"{capacity} expert slots per layer need {human_bytes(need)} in all, "
-            f"more than --memory-budget {human_bytes(plan.budget)}; give fewer "
-            "--cache-experts or a larger budget."
-        )
-    return capacity
-
-
-def _capacity_fitting(plan: MemoryPlan, least: int) -> int:
-    """The slots per layer that the budget leaves room for, at least `least`."""
-    budget, slot = plan.budget or 0, plan.slot_bytes
-    fixed = plan.total - plan.pools
-    capacity = min(plan.num_experts, max(budget - fixed, 0) // max(slot, 1))
-    if capacity < least:
-        seqs = f" for {plan.concurrency} sequences" if plan.concurrency > 1 else ""
-        raise BudgetError(
-            f"Memory budget {human_bytes(budget)} is too small: process, dense "
-            f"weights, KV cache and activations{seqs} need {human_bytes(fixed)}, "
-            f"and {least} expert slots per layer {human_bytes(least * slot)}; give "
-            f"--memory-budget {human_bytes(fixed + least * slot, up=True)} or more."
-        )
-    return capacity
-
-
-def _slot_nbytes(layer: ExpertLayer, compute: mx.Dtype) -> int:
-    float_size = compute.size
-    return sum(
-        s.nbytes // 2 * float_size
-        if s.dtype in ("bfloat16", "float16")
-        else s.nbytes // 4 * float_size
-        if s.dtype == "float32"
-        else s.nbytes
-        for s in layer.segments
-    )
-
-
-def _kv_bytes(config: dict, context: int, compute: mx.Dtype) -> int:
-    heads = config.get("num_attention_heads", 1)
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    layers = config["num_hidden_layers"]
-    steps = -(-context // 256) * 256  # mlx-lm's KVCache grows in 256-token steps
-    return 2 * layers * kv_heads * head_dim * steps * compute.size
-
-
-def _activation_bytes(config: dict, context: int, k: int) -> int:
-    """Transient memory of a prefill chunk, in float32: attention scores, the
-    routed rows (`k` per token) of the MoE, a few hidden-size buffers, and the
-    logits."""
-    tokens = min(PREFILL_STEP, context)
-    heads = config.get("num_attention_heads", 1)
-    inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
-    inter = max(inter) if isinstance(inter, list) else inter  # hunyuan: per layer
-    hidden = config["hidden_size"]
-    per_token = heads * tokens + k * (3 * inter + hidden) + 8 * hidden
-    return 4 * (tokens * per_token + 2 * config.get("vocab_size", 0))
-
-
-def default_budget(need_all: int, process: int) -> int:
-    """The budget when none is given: what a slot for every expert needs
-    (`need_all` bytes, plus the reserve), when that fits in 80 % of the memory
-    this process may take now (its own plus what the system has available);
-    else that 80 %, and the slots get what is left."""
-    ceiling = int(0.8 * (process + available_memory()))
-    return min(_budget_holding(need_all), ceiling)
-
-
-def _physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def available_memory() -> int:
-    """Memory the system can give now without swapping (Linux MemAvailable:
-    free plus reclaimable page cache); physical memory elsewhere."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return _physical_memory()
-
-
-def _process_bytes() -> int:
-    """Resident memory of this process now (interpreter, libraries)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # no /proc (macOS): the peak is the closest figure
-        return peak_rss()
