@@ -1,12 +1,13 @@
 """Command-line options shared by every command.
 
-`engine_options` turns each field of `RuntimeConfig` into one click option
-(`memory_budget` -> `--memory-budget`, a bool -> `--prefetch/--no-prefetch`),
-with its help taken from the field's entry in RuntimeConfig's docstring:
-run-moe, bench, plan, eval, serve and chat take the same engine flags from
-this one place. `common_options` adds `--version`, `-v` and `--log-level`
-(`logging_options` with another default level: serve logs at info, as
-mlx_lm.server does).
+`engine_options` turns each user field of `RuntimeConfig` into one click
+option (`memory_budget` -> `--memory-budget`, a bool -> `--verify/--no-verify`),
+with its help taken from the field's entry in RuntimeConfig's docstring, and
+adds `--set KEY=VALUE` for the developer's `Tuning` knobs (shown in the bench's
+help, hidden in the everyday commands'): run-moe, bench, plan, eval, serve
+and chat take the same engine flags from this one place. `common_options`
+adds `--version`, `-v` and `--log-level` (`logging_options` with another
+default level: serve logs at info, as mlx_lm.server does).
 """
 
 from __future__ import annotations
@@ -29,14 +30,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 def _runtime() -> tuple[type, dict[str, tuple[str, ...]]]:
     """RuntimeConfig and the choices of its fields (imported on use: the
     converter's CLI shares `common_options` and never imports the runtime)."""
-    from .runtime.config import DTYPES, ENGINES, POLICIES, RuntimeConfig
+    from .runtime.config import BACKENDS, DTYPES, RuntimeConfig
 
-    choices = {
-        "dtype": DTYPES,
-        "policy": tuple(sorted(POLICIES)),
-        "engine": ENGINES,
-    }
-    return RuntimeConfig, choices
+    return RuntimeConfig, {"dtype": DTYPES, "backend": BACKENDS}
 
 
 def field_help(name: str) -> str:
@@ -97,20 +93,76 @@ def _option(f: Any) -> Callable:
 
 
 def engine_fields(exclude: tuple[str, ...] = ()) -> list[str]:
-    return [f.name for f in fields(_runtime()[0]) if f.name not in exclude]
+    """RuntimeConfig's user fields, but `exclude`."""
+    from .runtime.config import USER_FIELDS
+
+    return [n for n in USER_FIELDS if n not in exclude]
 
 
-def engine_options(exclude: tuple[str, ...] = ()) -> Callable:
-    """Add one option per RuntimeConfig field (but `exclude`); the command gets
-    them as one keyword `engine`: the fields given on the command line."""
+def parse_settings(items: tuple[str, ...]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items -> Tuning fields, each value of its field's type."""
+    from .runtime.config import TUNING_FIELDS, Tuning
+
+    types = {f.name: f.type.replace(" ", "") for f in fields(Tuning)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in TUNING_FIELDS:
+            known = ", ".join(TUNING_FIELDS)
+            raise click.BadParameter(
+                f"{item!r} is not KEY=VALUE with KEY one of {known}.",
+                param_hint="--set",
+            )
+        out[key] = _typed(key, value.strip(), types[key])
+    return out
+
+
+def _typed(key: str, value: str, kind: str) -> Any:
+    if value.lower() in ("none", "auto") and kind.endswith("|None"):
+        return None
+    try:
+        if kind.startswith("bool"):
+            return {"true": True, "on": True, "1": True, "false": False,
+                    "off": False, "0": False}[value.lower()]  # fmt: skip
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+    except (KeyError, ValueError):
+        what = {"bool": "on or off", "int": "a whole number", "float": "a number"}
+        raise click.BadParameter(
+            f"{key}={value!r}: give {what[kind.split('|')[0]]}.", param_hint="--set"
+        ) from None
+    return value
+
+
+def engine_options(exclude: tuple[str, ...] = (), show_set: bool = False) -> Callable:
+    """Add one option per RuntimeConfig user field (but `exclude`) and `--set`;
+    the command gets them as one keyword `engine`: the fields given on the
+    command line, `tuning` among them when a knob was set."""
     names = engine_fields(exclude)
     options = [_option(f) for f in fields(_runtime()[0]) if f.name in names]
+    options.append(
+        click.option(
+            "--set",
+            "tuning_settings",
+            multiple=True,
+            metavar="KEY=VALUE",
+            hidden=not show_set,
+            help="A developer knob (moestream.runtime.Tuning), e.g. readers=2 "
+            "or engine=python; repeatable.",
+        )
+    )
 
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             given = {n: kwargs.pop(n) for n in names}
             engine = {n: v for n, v in given.items() if v is not None}
+            settings = parse_settings(kwargs.pop("tuning_settings"))
+            if settings:  # checked where the command builds its RuntimeConfig
+                engine["tuning"] = settings
             return fn(*args, engine=engine, **kwargs)
 
         for option in reversed(options):
@@ -135,23 +187,25 @@ def set_log_level(
 
 
 def logging_options(
-    default: str = "warning", fmt: str = LOG_FORMAT
+    default: str = "warning", fmt: str = LOG_FORMAT, level_option: bool = False
 ) -> Callable[[Callable], Callable]:
-    """--version, -v (repeatable) and --log-level (any case), wired to
-    `logging`; `default` is the level when neither is given."""
+    """--version and -v (repeatable), and with `level_option` --log-level (any
+    case, as mlx_lm.server has it), wired to `logging`; `default` is the
+    level when neither is given."""
 
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
-        def wrapper(*args: Any, log_verbose: int, log_level: str | None, **kw: Any):
-            set_log_level(log_level, log_verbose, default, fmt)
+        def wrapper(*args: Any, log_verbose: int, **kw: Any):
+            set_log_level(kw.pop("log_level", None), log_verbose, default, fmt)
             return fn(*args, **kw)
 
-        wrapper = click.option(
-            "--log-level",
-            type=click.Choice(LOG_LEVELS, case_sensitive=False),
-            default=None,
-            help=f"Logging level (default: {default}).",
-        )(wrapper)
+        if level_option:
+            wrapper = click.option(
+                "--log-level",
+                type=click.Choice(LOG_LEVELS, case_sensitive=False),
+                default=None,
+                help=f"Logging level (default: {default}).",
+            )(wrapper)
         wrapper = click.option(
             "-v",
             "log_verbose",

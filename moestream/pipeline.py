@@ -41,12 +41,13 @@ from .families import layer_index
 from .formats import load_manifest
 from .formats.dtypes import DTYPE_NAMES
 from .generate import Sampling, generate, report
+from .runtime.backend import ExecutionPlan
 from .runtime.config import RuntimeConfig
 from .runtime.loader import (
     MemoryPlan,
     dense_weights,
+    execution_for,
     load,
-    plan_for,
     resolve_dtype,
     runtime_of,
 )
@@ -447,11 +448,18 @@ def plan_stages(
     path: str | Path, size: int, config: RuntimeConfig | None = None
 ) -> list[tuple[Stage, MemoryPlan]]:
     """Each rank's stage and memory plan, without reading a weight."""
+    return [(s, e.memory) for s, e in execution_stages(path, size, config)]
+
+
+def execution_stages(
+    path: str | Path, size: int, config: RuntimeConfig | None = None
+) -> list[tuple[Stage, ExecutionPlan]]:
+    """Each rank's stage and execution plan, without reading a weight."""
     cfg = config or RuntimeConfig()
     out = []
     for s in stages(path, size, cfg):
         try:
-            out.append((s, plan_for(path, cfg, shard=shard(s))))
+            out.append((s, execution_for(path, cfg, shard=shard(s))))
         except ValueError as e:
             raise PipelineError(f"rank {s.rank}: {e}") from e
     return out

@@ -54,13 +54,14 @@ from .families import (
 )
 from .formats import BlobReader, Manifest, load_manifest
 from .formats.manifest import inside
+from .runtime.backend import ExecutionPlan
 from .runtime.config import RuntimeConfig
 from .runtime.loader import (
     MemoryPlan,
     available_memory,
     dense_weights,
+    execution_for,
     load,
-    plan_for,
     resolve_dtype,
     runtime_of,
 )
@@ -100,7 +101,9 @@ class Forecast:
     cold_tps: float  # misses read from the disk, hinted in parallel
 
 
-def plan_dict(plan: MemoryPlan, cfg: RuntimeConfig) -> dict[str, Any]:
+def plan_dict(execution: ExecutionPlan, cfg: RuntimeConfig) -> dict[str, Any]:
+    """The memory plan's figures and the backend's words, as one dict."""
+    plan = execution.memory
     d = asdict(plan)
     d.update(
         pools=plan.pools,
@@ -108,7 +111,7 @@ def plan_dict(plan: MemoryPlan, cfg: RuntimeConfig) -> dict[str, Any]:
         residency=plan.capacity / max(plan.num_experts, 1),
         context=cfg.context,
         host_tier=plan.host_tier,
-        engine=cfg.engine_used,
+        execution=execution.as_dict(),
     )
     return d
 
@@ -300,8 +303,9 @@ def plan_and_forecast(
 ) -> dict[str, Any]:
     """`moestream plan`'s result: the plan, and the probe and forecasts."""
     directory = Path(path)
-    plan = plan_for(directory, cfg)
-    out: dict[str, Any] = {"plan": plan_dict(plan, cfg)}
+    execution = execution_for(directory, cfg)
+    plan = execution.memory
+    out: dict[str, Any] = {"plan": plan_dict(execution, cfg)}
     if probe:
         manifest = load_manifest(directory)
         measured = run_probe(directory, cfg.dtype)
@@ -333,7 +337,8 @@ def format_plan(result: dict[str, Any]) -> str:
     lines = [
         f"memory plan (context {p['context']} tokens"
         + (f", {seqs} sequences at once" if seqs > 1 else "")
-        + f"; {p['engine']} engine):",
+        + "):",
+        f"  {p['execution']['describe']}",
         row("process", p["process"], "this process now: Python, MLX, tokenizer"),
         row("dense", p["dense"], "attention, norms, embeddings, routers, shared"),
         row("KV cache", p["kv_cache"]),
@@ -343,7 +348,7 @@ def format_plan(result: dict[str, Any]) -> str:
         row(
             "experts",
             p["pools"],
-            "mapped: no slots, the page cache holds them (--no-mapped: slots)"
+            "mapped: no slots, the page cache holds them (--backend slots: slots)"
             if p["mapped"]
             else f"{p['capacity']} of {p['num_experts']} per layer "
             f"({100 * p['residency']:.0f} % resident), "
@@ -401,16 +406,16 @@ def _forecast_lines(pr: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]
 
 def plan_ranks(path: str | Path, cfg: RuntimeConfig, ranks: int) -> dict[str, Any]:
     """`moestream plan --ranks N`: each pipeline rank's layers and memory plan."""
-    from .pipeline import plan_stages
+    from .pipeline import execution_stages
 
     return {
         "ranks": [
             {
                 "rank": stage.rank,
                 "layers": [stage.layers.start, stage.layers.stop - 1],
-                "plan": plan_dict(plan, cfg),
+                "plan": plan_dict(execution, cfg),
             }
-            for stage, plan in plan_stages(path, ranks, cfg)
+            for stage, execution in execution_stages(path, ranks, cfg)
         ]
     }
 

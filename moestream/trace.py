@@ -55,7 +55,7 @@ def trace_meta(model: nn.Module) -> dict[str, Any]:
         "capacity": rt.plan.capacity,
         "num_experts": rt.plan.num_experts,
         "top_k": get_family(config).top_k(config),
-        "policy": rt.config.policy,
+        "policy": rt.config.tuning.policy,
         "record_bytes": {str(x.layer): x.record_nbytes for x in rt.manifest.layers},
     }
 

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU
 
 from moestream.reference import resident_from_converted
-from moestream.runtime import RuntimeConfig, load, native
+from moestream.runtime import config_from, load, native
 from moestream.runtime.switch import StreamingSwitchGLU
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -223,7 +223,7 @@ def main() -> None:
         else:
             engine, _, kernel = variant.partition("+")  # "kernel:N": N threads
             threads = int(kernel.partition(":")[2] or 0)
-            cfg = RuntimeConfig(
+            cfg = config_from(
                 engine=engine, cpu_kernel=bool(kernel), kernel_threads=threads
             )
             model, _ = load(args.model, cfg)

@@ -11,7 +11,7 @@ import mlx.core as mx
 from helpers import generated
 
 from moestream import pipeline
-from moestream.runtime import RuntimeConfig
+from moestream.runtime import config_from
 
 PROMPT = [(7 * i + 3) % 300 for i in range(20)]
 SEED = 5
@@ -22,7 +22,7 @@ def main() -> None:
     engine = sys.argv[3] if len(sys.argv) > 3 else "python"
     budget = int(sys.argv[4]) if len(sys.argv) > 4 else None
     group = pipeline.init()
-    config = RuntimeConfig(
+    config = config_from(
         memory_budget=budget, cache_experts=slots, dtype="float32", engine=engine
     )
     mx.random.seed(SEED)  # before loading, as mlx-lm's commands seed

@@ -127,8 +127,8 @@ def test_bench_rows_cover_budgets_modes_and_variants(synthetic):
     assert [r.job.capacity for r in rows[1:5]] == [4] * 4  # 50 % of 8
     assert [r.job.capacity for r in rows[5:9]] == [2] * 4  # never below top-k
     assert [r.job.cold for r in rows[1:]] == [False, False, True, True] * 2 + [True]
-    assert {r.job.runtime.policy for r in rows if r.variant} == {"lru"}
-    assert {r.job.runtime.policy for r in rows if not r.variant} == {"lrfu"}
+    assert {r.job.runtime.tuning.policy for r in rows if r.variant} == {"lru"}
+    assert {r.job.runtime.tuning.policy for r in rows if not r.variant} == {"lrfu"}
     assert rows[-1].job.runtime.verify is False
     warm_only = plan_rows(replace(cfg, modes=("warm",)))
     assert [r.mode for r in warm_only] == ["-"] + ["warm"] * 4  # no no-verify row

@@ -102,14 +102,15 @@ def test_chat_flags_reach_the_config_the_model_was_loaded_with(
         return model, tok
 
     monkeypatch.setattr(moestream.cli.chat, "load", load)
-    flags = ["--cache-experts", "5", "--context", "64", "--policy", "lru"]
-    flags += ["--lrfu-decay", "0.5", "--no-verify", "--prefetch-extra", "1"]
+    flags = ["--cache-experts", "5", "--context", "64", "--set", "policy=lru"]
+    flags += ["--set", "lrfu_decay=0.5", "--no-verify", "--set", "prefetch_extra=1"]
     r = CliRunner().invoke(moestream.cli.chat.chat_cmd, [str(converted), *flags], "q\n")
     assert r.exit_code == 0, r.output
     (config,) = loaded
-    assert (config.cache_experts, config.context, config.policy) == (5, 64, "lru")
-    assert (config.lrfu_decay, config.verify, config.prefetch_extra) == (0.5, False, 1)
-    args = [str(converted), "--engine", "python", "--prefetch"]
+    t = config.tuning
+    assert (config.cache_experts, config.context, t.policy) == (5, 64, "lru")
+    assert (t.lrfu_decay, config.verify, t.prefetch_extra) == (0.5, False, 1)
+    args = [str(converted), "--set", "engine=python", "--set", "prefetch=on"]
     bad = CliRunner().invoke(moestream.cli.chat.chat_cmd, args)
     assert bad.exit_code == 2
-    assert re.fullmatch(r"error: The python engine does not prefetch.*\n", bad.output)
+    assert re.fullmatch(r"error: The python engine has no prefetch.*\n", bad.output)

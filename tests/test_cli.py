@@ -25,7 +25,9 @@ def run(args: list[str]):
     return CliRunner().invoke(run_main, args, catch_exceptions=False)
 
 
-@pytest.mark.parametrize("flags", [[], ["--no-prefetch"], ["--engine", "python"]])
+@pytest.mark.parametrize(
+    "flags", [[], ["--set", "prefetch=off"], ["--set", "engine=python"]]
+)
 def test_run_json_matches_resident_greedy(converted: Path, reference, flags) -> None:
     r = run(
         [
@@ -54,7 +56,7 @@ def test_run_json_matches_resident_greedy(converted: Path, reference, flags) -> 
     assert s["prompt_tokens"] == len(prompt) and s["generation_tokens"] == len(want)
     assert 0 <= s["hit_rate"] <= 1 and s["bytes_read"] > 0 and s["peak_memory"] > 0
     # The default engine prefetches where it is native; python does not.
-    prefetches = "--no-prefetch" not in flags and "python" not in flags
+    prefetches = "prefetch=off" not in flags and "engine=python" not in flags
     assert (s["prefetched"] > 0) == (prefetches and native.available())
 
 

@@ -5,6 +5,8 @@ mlx-lm's resident model."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -12,7 +14,7 @@ from helpers import PROMPT, logits_stepwise
 from mlx_lm.models.switch_layers import SwitchGLU
 
 import moestream
-from moestream.runtime import RuntimeConfig, native
+from moestream.runtime import Tuning, native
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="the native extension is not built here"
@@ -78,11 +80,16 @@ def test_quant_matmul_equals_quantized_linear(bits, group_size):
         assert mx.array_equal(ours, layer(x)).item()
 
 
+def _plan(cpu_kernel: bool) -> SimpleNamespace:
+    """What the kernel's helpers read of an ExecutionPlan."""
+    return SimpleNamespace(cpu_kernel=cpu_kernel, tuning=Tuning())
+
+
 def test_kernel_linear_swaps_in_exactly():
     layer = nn.QuantizedLinear(128, 64, bias=True, group_size=32, bits=4)
     x = mx.random.normal((3, 128))
     theirs, theirs16 = layer(x), layer(x.astype(mx.float16))
-    assert native.use_dense_kernel(layer, RuntimeConfig(cpu_kernel=True)) == 1
+    assert native.use_dense_kernel(layer, _plan(cpu_kernel=True)) == 1
     assert type(layer) is native.KernelLinear
     assert mx.array_equal(layer(x), theirs).item()
     # not float32: MLX's own op
@@ -118,9 +125,9 @@ def test_kernel_matches_this_mlx_and_leaves_its_random_state():
 
 def test_kernel_covers_only_swiglu_affine_layers():
     glu = _switch(64, 64, 2, [(4, 32)] * 3)
-    on = RuntimeConfig(cpu_kernel=True)
+    on = _plan(cpu_kernel=True)
     assert native.expert_kernel(glu, on) is not None
-    assert native.expert_kernel(glu, RuntimeConfig(cpu_kernel=False)) is None
+    assert native.expert_kernel(glu, _plan(cpu_kernel=False)) is None
     glu.activation = nn.GELU()  # not mlx-lm's SwiGLU: MLX's ops run it
     assert native.expert_kernel(glu, on) is None
 

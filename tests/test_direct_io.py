@@ -26,8 +26,9 @@ import moestream
 from moestream.bench.sysio import drop_cache
 from moestream.formats import Recipe, load_manifest
 from moestream.reference import resident_model
-from moestream.runtime import ExpertReadError, RuntimeConfig, native
-from moestream.runtime.loader import DIRECT_ALIGN, plan_for
+from moestream.runtime import ExpertReadError, RuntimeConfig, config_from, native
+from moestream.runtime.backend import DIRECT_ALIGN
+from moestream.runtime.loader import execution_for, plan_for
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="moestream's native engine is not built"
@@ -104,7 +105,7 @@ def test_the_tier_rounds_its_records_up_to_a_block(big):
     record = load_manifest(out).layers[0].record_nbytes
     plain = plan_for(out, RuntimeConfig(cache_experts=2, host_budget="8M"))
     direct = plan_for(
-        out, RuntimeConfig(cache_experts=2, host_budget="8M", direct_io=True)
+        out, config_from(cache_experts=2, host_budget="8M", direct_io=True)
     )
     assert plain.host_record == record
     assert direct.host_record == -(-record // DIRECT_ALIGN) * DIRECT_ALIGN
@@ -181,9 +182,10 @@ def test_a_record_past_the_end_of_the_file(big, tmp_path: Path):
         logits_stepwise(model, PROMPT, steps=2)
 
 
-def test_the_python_engine_refuses_direct_io():
-    with pytest.raises(ValueError, match="direct_io belongs to the native engine"):
-        RuntimeConfig(engine="python", direct_io=True)
+def test_the_python_engine_refuses_direct_io(big):
+    _, out = big
+    with pytest.raises(ValueError, match="python engine has no direct_io"):
+        execution_for(out, config_from(engine="python", direct_io=True))
 
 
 def test_a_filesystem_without_o_direct_is_one_line_at_load(big, tmp_path: Path):

@@ -171,3 +171,22 @@ def test_named_files_exist(page: Path) -> None:
         and "git history" not in " ".join(text[m.end() : m.end() + 80].split())
     ]
     assert not missing, f"{page.name} names files that are not there: {missing}"
+
+
+def test_architecture_picture_is_drawn_from_the_code() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "arch_graph", ROOT / "scripts" / "arch_graph.py"
+    )
+    graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph)
+    nodes, arrows = graph.edges()
+    assert (
+        "runtime/backend" in nodes and ("runtime/loader", "runtime/backend") in arrows
+    )
+    assert not any(b == "cli" for _, b in arrows)  # nothing imports the commands
+    drawn = (ROOT / "docs" / "architecture.svg").read_text()
+    assert drawn == graph.svg(nodes, arrows), (
+        "docs/architecture.svg is stale: python scripts/arch_graph.py"
+    )

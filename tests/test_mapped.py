@@ -22,7 +22,7 @@ from moestream.bench.sysio import drop_cache
 from moestream.converter import convert
 from moestream.formats import FormatError, Recipe, load_manifest
 from moestream.reference import resident_model
-from moestream.runtime import ExpertReadError, RuntimeConfig, native
+from moestream.runtime import ExpertReadError, RuntimeConfig, config_from, native
 from moestream.runtime.loader import BudgetError, plan_for
 
 pytestmark = pytest.mark.skipif(
@@ -60,7 +60,7 @@ def test_mapped_gives_the_resident_models_logits(
         str(dtype).removeprefix("mlx.core.")
     }
     out = tmp_path / "out"
-    model, _ = moestream.load(out, mapped=True)
+    model, _ = moestream.load(out, backend="mapped")
     layers = [m for _, m in model.named_modules() if hasattr(m, "_mapped")]
     assert layers and all(m._mapped is not None and m.capacity == 0 for m in layers)
     for layer in load_manifest(out).layers:  # cold: misses read under the kernel
@@ -83,18 +83,21 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_no_slots_are_planned(converted: Path):
-    plan = plan_for(converted, RuntimeConfig(mapped=True))
+    plan = plan_for(converted, RuntimeConfig(backend="mapped"))
     slots = plan_for(converted, RuntimeConfig())
     assert plan.mapped and plan.capacity == 0 and plan.pools == 0
     assert slots.pools > 0 and plan.total < slots.total
     assert (plan.dense, plan.kv_cache) == (slots.dense, slots.kv_cache)
     assert "experts mapped" in plan.describe()
     from moestream.plan import format_plan, plan_dict
+    from moestream.runtime.loader import execution_for
 
-    text = format_plan({"plan": plan_dict(plan, RuntimeConfig(mapped=True))})
+    cfg = RuntimeConfig(backend="mapped")
+    text = format_plan({"plan": plan_dict(execution_for(converted, cfg), cfg)})
+    assert "backend cpu-mapped, experts mapped" in text
     assert "mapped: no slots, the page cache holds them" in text
     with pytest.raises(BudgetError, match="more than the budget") as e:
-        plan_for(converted, RuntimeConfig(mapped=True, memory_budget="1M"))
+        plan_for(converted, RuntimeConfig(backend="mapped", memory_budget="1M"))
     assert "\n" not in str(e.value)
 
 
@@ -103,7 +106,7 @@ def test_the_forecast_hits_what_the_page_cache_can_keep(converted: Path, monkeyp
 
     from moestream import plan as planning
 
-    plan = plan_for(converted, RuntimeConfig(mapped=True))
+    plan = plan_for(converted, RuntimeConfig(backend="mapped"))
     manifest, config = load_manifest(converted), load_config(converted)
     probe = planning.Probe(0.01, 1e-4, 0.2, 0.5, 4.0)
     half = manifest.expert_bytes // 2
@@ -120,7 +123,7 @@ def test_the_forecast_hits_what_the_page_cache_can_keep(converted: Path, monkeyp
 
 
 def test_counters_say_what_the_page_cache_held(converted: Path):
-    model, _ = moestream.load(converted, mapped=True, prefetch=False)
+    model, _ = moestream.load(converted, backend="mapped", prefetch=False)
     for layer in load_manifest(converted).layers:  # mapped, not yet touched
         drop_cache(converted / layer.file)
     prompt = mx.array(PROMPT[:4])
@@ -137,12 +140,12 @@ def test_a_corrupt_record_fails_its_checksum(tmp_path: Path):
     _converted(tmp_path, "gate_proj=4,up_proj=4,down_proj=4", 64, mx.bfloat16)
     out = tmp_path / "out"
     corrupt_layer(out, load_manifest(out).layers[1])
-    model, _ = moestream.load(out, mapped=True)
+    model, _ = moestream.load(out, backend="mapped")
     with pytest.raises(ExpertReadError, match="fails its checksum") as e:
         logits_stepwise(model, PROMPT, steps=1)
     assert "\n" not in str(e.value) and "layer 1" in str(e.value)
     # Unverified (the user asked for no checks), the same blob runs.
-    model, _ = moestream.load(out, mapped=True, verify=False)
+    model, _ = moestream.load(out, backend="mapped", verify=False)
     logits_stepwise(model, PROMPT, steps=1)
 
 
@@ -153,7 +156,7 @@ def test_a_truncated_blob_is_refused_at_load(tmp_path: Path):
     with open(blob, "r+b") as f:
         f.truncate(blob.stat().st_size - 4096)
     with pytest.raises(FormatError, match="truncated") as e:
-        moestream.load(out, mapped=True, verify=False)
+        moestream.load(out, backend="mapped", verify=False)
     assert "\n" not in str(e.value)
 
 
@@ -169,13 +172,13 @@ def test_a_truncated_blob_is_refused_at_load(tmp_path: Path):
 )
 def test_what_mapped_has_no_use_for_is_refused(options: dict, words: str):
     with pytest.raises(ValueError, match="mapped cannot run with") as e:
-        RuntimeConfig(mapped=True, **options)
+        config_from(backend="mapped", **options)
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_mapped_refuses_a_dtype_the_kernel_does_not_compute(converted: Path):
     with pytest.raises(native.NativeEngineError, match="float32") as e:
-        moestream.load(converted, mapped=True, dtype="bfloat16")
+        moestream.load(converted, backend="mapped", dtype="bfloat16")
     assert "\n" not in str(e.value)
 
 
@@ -190,11 +193,12 @@ def test_run_moe_mapped_generates_what_slots_generate(converted: Path):
         assert r.exit_code == 0, r.output
         return json.loads(r.output.strip().splitlines()[-1])
 
-    mapped, slots = run("--mapped"), run("--cache-experts", "3")
+    mapped, slots = run("--backend", "mapped"), run("--cache-experts", "3")
     assert mapped["tokens"] == slots["tokens"] and mapped["text"] == slots["text"]
     assert mapped["stats"]["generation_tokens"] == len(mapped["tokens"])
     r = CliRunner().invoke(
-        run_main, [str(converted), "-p", "x", "--mapped", "--cache-experts", "3"]
+        run_main,
+        [str(converted), "-p", "x", "--backend", "mapped", "--cache-experts", "3"],
     )
     assert r.exit_code == 2
     assert re.fullmatch(r"error: mapped cannot run with cache_experts.*\n", r.output)
@@ -206,7 +210,7 @@ def test_mapped_is_the_default_where_slots_do_not_all_fit(converted: Path, monke
     experts = load_manifest(converted).layers[0].num_experts
     default, _ = moestream.load(converted)  # every expert's slot fits here
     assert moestream.runtime_of(default).plan.capacity == experts
-    assert moestream.runtime_of(default).config.mapped is False
+    assert not moestream.runtime_of(default).execution.mapped
     # As if the machine had memory for half the slots (the process's own
     # bytes held still: the slots are small beside their drift):
     monkeypatch.setattr(loader, "_process_bytes", lambda: 200 << 20)
@@ -215,13 +219,17 @@ def test_mapped_is_the_default_where_slots_do_not_all_fit(converted: Path, monke
     monkeypatch.setattr(memory, "default_budget", lambda need, process: half)
     model, _ = moestream.load(converted)
     runtime = moestream.runtime_of(model)
-    assert runtime.config.mapped is True and runtime.plan.mapped
+    assert runtime.execution.backend == "cpu-mapped" and runtime.plan.mapped
     assert plan_for(converted).mapped  # the plan command says the same
     # Asked for slots, a budget, or slots by count: slots.
-    for options in ({"mapped": False}, {"memory_budget": half}, {"cache_experts": 4}):
+    for options in (
+        {"backend": "slots"},
+        {"memory_budget": half},
+        {"cache_experts": 4},
+    ):
         plan = moestream.runtime_of(moestream.load(converted, **options)[0]).plan
         assert not plan.mapped and 0 < plan.capacity < experts, options
-    slots, _ = moestream.load(converted, mapped=False)
+    slots, _ = moestream.load(converted, backend="slots")
     ours, theirs = (logits_stepwise(m, PROMPT, steps=4) for m in (model, slots))
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert mx.array_equal(a, b).item(), f"step {step} differs"

@@ -107,7 +107,7 @@ def test_native_float16_slots_from_bfloat16_records_exact(converted, hf_dir, rec
 
 def test_unknown_engine_is_one_line():
     with pytest.raises(ValueError, match="Unknown engine 'fast'"):
-        moestream.runtime.RuntimeConfig(engine="fast")
+        moestream.runtime.config_from(engine="fast")
 
 
 def streaming_layers(model) -> list[StreamingSwitchGLU]:
@@ -188,7 +188,7 @@ def test_full_host_tier_read_error_surfaces_when_routed(copy, reference):
 def test_host_budget_too_small_is_one_line(converted):
     with pytest.raises(BudgetError, match="--host-budget"):
         moestream.load(converted, cache_experts=3, engine="native", host_budget=100)
-    with pytest.raises(ValueError, match="host tier belongs to the native engine"):
+    with pytest.raises(ValueError, match="python engine has no host_budget"):
         moestream.load(converted, cache_experts=3, engine="python", host_budget="1G")
 
 
@@ -198,7 +198,7 @@ def test_run_moe_stats_show_the_host_tier(converted):
     from moestream.cli.run import main as run_main
 
     args = [str(converted), "-p", "def", "-m", "6", "--ignore-chat-template"]
-    tier = ["--engine", "native", "--cache-experts", "3", "--host-budget", "64M"]
+    tier = ["--set", "engine=native", "--cache-experts", "3", "--host-budget", "64M"]
     r = CliRunner().invoke(run_main, [*args, *tier, "--stats", "-v"])
     assert r.exit_code == 0, r.output
     assert "host tier hit" in r.stderr and "slot fills" in r.stderr

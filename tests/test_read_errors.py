@@ -155,8 +155,8 @@ def test_run_moe_corrupt_expert_is_one_line(copy, engine) -> None:
             "def",
             "-m",
             "3",
-            *(["--engine", engine] * (engine == "native")),
-            *(["--engine", "native", "--host-budget", "64M"] * (engine == "tier")),
+            *(["--set", "engine=native"] * (engine == "native")),
+            *(["--set", "engine=native", "--host-budget", "64M"] * (engine == "tier")),
         ],
         catch_exceptions=False,
     )

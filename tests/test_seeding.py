@@ -1,4 +1,4 @@
-"""`--seed` means what it means in mlx-lm's own commands (DESIGN.md §5).
+"""`--seed` means what it means in mlx-lm's own commands (docs/architecture.md).
 
 mlx_lm.generate and mlx_lm.chat seed before they load, so the random numbers
 drawn while the model is built are part of what a seed gives. The oracle is
@@ -73,7 +73,7 @@ def test_run_moe_seed_prints_mlx_lm_generate(
 ) -> None:
     out, _ = models[family]
     budget = [] if slots == "all" else ["--cache-experts", slots]
-    texts = [run_moe_text(out, s, "--engine", engine, *budget) for s in SEEDS]
+    texts = [run_moe_text(out, s, "--set", f"engine={engine}", *budget) for s in SEEDS]
     assert texts == [mlx_lm_texts[family, s] for s in SEEDS]
     assert texts[0] != texts[1]  # the seed decides the text
 
@@ -83,7 +83,7 @@ def test_run_moe_seed_prints_mlx_lm_generate(
 def test_mapped_seed_prints_mlx_lm_generate(models, mlx_lm_texts, family: str) -> None:
     """Mapped experts (the default beyond RAM on a CPU) draw what mlx-lm does."""
     out, _ = models[family]
-    texts = [run_moe_text(out, s, "--mapped") for s in SEEDS]
+    texts = [run_moe_text(out, s, "--backend", "mapped") for s in SEEDS]
     assert texts == [mlx_lm_texts[family, s] for s in SEEDS]
 
 
@@ -96,7 +96,7 @@ def test_gpu_seed_prints_mlx_lm_generate(tmp_path: Path, dtype: str) -> None:
     out, mlx_dir = both(tmp_path, "qwen3_moe", dtype=dtype)
     want = mlx_lm_generate({s: (mlx_dir, s) for s in SEEDS})
     for engine in ENGINES:
-        texts = [run_moe_text(out, s, "--engine", engine) for s in SEEDS]
+        texts = [run_moe_text(out, s, "--set", f"engine={engine}") for s in SEEDS]
         assert texts == [want[s] for s in SEEDS], engine
 
 

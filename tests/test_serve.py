@@ -388,37 +388,43 @@ ENGINE_FLAGS = {
     "--context": ("200", "context", 200),
     "--dtype": ("float32", "dtype", "float32"),
     "--no-verify": (None, "verify", False),
-    "--policy": ("lru", "policy", "lru"),
-    "--prefetch-extra": ("3", "prefetch_extra", 3),
-    "--no-whole-calls": (None, "whole_calls", False),
-    "--lrfu-decay": ("0.5", "lrfu_decay", 0.5),
-    "--engine": ("python", "engine", "python"),
-    "--no-prefetch": (None, "prefetch", False),
-    "--readers": ("3", "readers", 3),
-    "--no-device-resolve": (None, "device_resolve", False),
-    "--no-cpu-kernel": (None, "cpu_kernel", False),
-    "--kernel-threads": ("1", "kernel_threads", 1),
+    "--backend": ("slots", "backend", "slots"),
+}
+# And every developer knob through --set: each must reach the model's Tuning.
+TUNING_SETS = {
+    "policy=lru": ("policy", "lru"),
+    "prefetch_extra=3": ("prefetch_extra", 3),
+    "whole_calls=off": ("whole_calls", False),
+    "lrfu_decay=0.5": ("lrfu_decay", 0.5),
+    "engine=python": ("engine", "python"),
+    "prefetch=off": ("prefetch", False),
+    "readers=3": ("readers", 3),
+    "device_resolve=off": ("device_resolve", False),
+    "cpu_kernel=off": ("cpu_kernel", False),
+    "kernel_threads=1": ("kernel_threads", 1),
 }
 
 
 def test_serve_and_chat_take_every_engine_flag() -> None:
     """The one generated set (options.engine_options): every RuntimeConfig
-    field, with the help run-moe shows, but those serve sets otherwise."""
+    user field, with the help run-moe shows, but those serve sets otherwise."""
     from moestream.cli.chat import chat_cmd
     from moestream.cli.run import main as run_main
     from moestream.cli.serve import ENGINE_EXCLUDED
     from moestream.options import engine_fields, field_help
+    from moestream.runtime.config import TUNING_FIELDS
 
     expected = set(engine_fields(exclude=ENGINE_EXCLUDED))
     assert expected == {f.name for f in fields(RuntimeConfig)} - {
-        "record_trace",  # --trace FILE
+        "tuning",  # --set KEY=VALUE
         "concurrency",  # --decode-concurrency
     }
-    # the budgets are checked below, host_budget, direct_io and mapped (the
-    # native engine's, refused beside --engine python) by their errors
+    # the budgets are checked below, host_budget (the native engine's, refused
+    # beside engine=python) by its error
     given = {f for _, f, _ in ENGINE_FLAGS.values()}
-    native = {"host_budget", "direct_io", "mapped"}
-    assert given == expected - {"memory_budget"} - native
+    assert given == expected - {"memory_budget", "host_budget"}
+    set_fields = {f for f, _ in TUNING_SETS.values()}
+    assert set_fields == set(TUNING_FIELDS) - {"direct_io", "record_trace"}
     run_help = {p.name: p.help for p in run_main.params}
     for command in (serve_cmd, chat_cmd):
         params = {p.name: p for p in command.params}
@@ -446,14 +452,18 @@ def test_serve_flags_reach_the_config_the_model_was_loaded_with(
     args = ["--port", "0", "--log-level", "warning", "--decode-concurrency", "1"]
     for flag, (value, _, _) in ENGINE_FLAGS.items():
         args += [flag] if value is None else [flag, value]
+    for item in TUNING_SETS:
+        args += ["--set", item]
     r = CliRunner().invoke(serve_cmd, [str(converted), *args], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "stopped" in r.output
     config = seen["config"]
     for flag, (_, name, value) in ENGINE_FLAGS.items():
         assert getattr(config, name) == value, flag
+    for item, (name, value) in TUNING_SETS.items():
+        assert getattr(config.tuning, name) == value, item
     assert config.concurrency == 1 and seen["plan"].decode_concurrency == 1
-    assert config.record_trace is False
+    assert config.tuning.record_trace is False
     # A budget: it bounds the whole server, so the model gets it less the cache.
     need = budget_for(converted, 4, 200, RuntimeConfig(concurrency=1))
     budget = need + 2**20
@@ -469,10 +479,10 @@ def test_serve_flags_reach_the_config_the_model_was_loaded_with(
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--lrfu-decay", "2"], r"lrfu_decay must be in \[0.0, 1.0\], got 2.0"),
-        (["--context", "0"], r"context must be in \[1, inf\], got 0"),
-        (["--engine", "python", "--prefetch"], "python engine does not prefetch"),
-        (["--engine", "python", "--host-budget", "1G"], "host tier belongs to the"),
+        (["--set", "lrfu_decay=2"], r"lrfu_decay must be in \[0.0, 1.0\], got 2.0"),
+        (["--context", "0"], r"context must be at least 1 token, got 0"),
+        (["--set", "engine=python", "--set", "prefetch=on"], "python engine has no"),
+        (["--set", "engine=python", "--host-budget", "1G"], "python engine has no"),
         (["--memory-budget", "3Q"], "Cannot read size '3Q'"),
         (["--cache-experts", "0"], "at least 1"),
         (["--decode-concurrency", "0"], "--decode-concurrency must be at least 1"),
@@ -487,5 +497,11 @@ def test_serve_bad_engine_value_is_one_line(converted, args, message) -> None:
 
 
 def test_serve_bad_choice_names_the_flag(converted) -> None:
-    r = CliRunner().invoke(serve_cmd, [str(converted), "--policy", "fifo"])
-    assert r.exit_code == 2 and "'--policy'" in r.output and "fifo" in r.output
+    r = CliRunner().invoke(serve_cmd, [str(converted), "--backend", "fifo"])
+    assert r.exit_code == 2 and "'--backend'" in r.output and "fifo" in r.output
+    for item, words in [
+        ("readers", "'readers' is not KEY=VALUE"),
+        ("readers=many", "readers='many': give a whole number"),
+    ]:
+        r = CliRunner().invoke(serve_cmd, [str(converted), "--set", item])
+        assert r.exit_code == 2 and "--set" in r.output and words in r.output

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,8 +24,8 @@ from mlx_lm.models.cache import make_prompt_cache
 import moestream
 from moestream.formats import load_manifest
 from moestream.reference import resident_model
-from moestream.runtime import RuntimeConfig, native
-from moestream.runtime.config import DTYPES
+from moestream.runtime import Tuning, config_from, native
+from moestream.runtime.config import DTYPES, TUNING_FIELDS, USER_FIELDS
 from moestream.runtime.pool import POLICIES
 
 # Every runtime option the stress draws from, one line per RuntimeConfig field
@@ -43,7 +43,7 @@ RUNTIME_CHOICES: dict[str, list] = {
     "prefetch_extra": [0, 2, 5],
     "whole_calls": [None, False, True],
     "record_trace": [False, True],
-    "lrfu_decay": [0.5, RuntimeConfig.lrfu_decay],
+    "lrfu_decay": [0.5, Tuning.lrfu_decay],
     "engine": ["python", "native"] if native.available() else ["python"],
     "host_budget": [None, "64M"],  # the native engine only (a tier on a CPU)
     "readers": [1, 3],
@@ -52,7 +52,7 @@ RUNTIME_CHOICES: dict[str, list] = {
     "direct_io": [False, True],  # the native engine only
     "cpu_kernel": [None, False],  # True: the python engine too
     "kernel_threads": [0, 1],
-    "mapped": [False, True] if native.available() else [False],
+    "backend": ["auto", "slots", "mapped"] if native.available() else ["auto"],
 }
 FAST_CASES, SLOW_CASES = 30, 1000
 FAST_SETS, SLOW_SETS = 8, 60  # option sets per run
@@ -67,7 +67,7 @@ def draw_options(rng: random.Random) -> dict:
         options["direct_io"] = False  # refused by name (test_direct_io.py)
     if options["engine"] == "python":
         options["host_budget"] = None  # refused by name (tested)
-    if options["mapped"]:  # what it has no use for is refused by name (tested)
+    if options["backend"] == "mapped":  # what it has no use for is refused (tested)
         options.update(engine="native", cpu_kernel=None, host_budget=None)
         options.update(direct_io=False, cache_experts=None, memory_budget=None)
         options["dtype"] = "float32"  # the CPU kernel's
@@ -163,12 +163,10 @@ def other_dtypes(hf_dir, recipe) -> Callable[[str], object]:
 
 
 def test_every_field_is_drawn() -> None:
-    assert list(RUNTIME_CHOICES) == [f.name for f in fields(RuntimeConfig)]
+    assert set(RUNTIME_CHOICES) == {*USER_FIELDS, *TUNING_FIELDS}
     for name, values in RUNTIME_CHOICES.items():
         for v in values:
-            native_only = ("host_budget", "direct_io", "mapped")
-            engine = "native" if name in native_only else "python"
-            RuntimeConfig(**{"engine": engine, name: v})  # each choice is valid
+            config_from(**{name: v})  # each choice is valid
 
 
 def test_stress_fast(converted, reference, other_dtypes) -> None:
@@ -310,7 +308,7 @@ def test_stress_every_family(family, tmp_path) -> None:
         o["cache_experts"] = rng.randint(1 if o["concurrency"] == 1 else least, experts)
         # Slots here (families whose experts the CPU kernel does not cover
         # refuse mapped; test_mapped.py runs it).
-        o["mapped"] = False
+        o["backend"] = "slots"
         case.prompts = [[t % vocab for t in p] for p in case.prompts]
         s.run(case)
     assert s.cases == FAMILY_CASES

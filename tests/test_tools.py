@@ -29,7 +29,7 @@ from moestream.evaluate import evaluate, sequences
 from moestream.generate import encode_prompt
 from moestream.options import engine_options, field_help
 from moestream.reference import resident_from_converted
-from moestream.runtime import RuntimeConfig, loader, memory, native
+from moestream.runtime import RuntimeConfig, Tuning, loader, memory, native
 from moestream.trace import read_trace
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 12
@@ -75,21 +75,23 @@ def test_every_engine_field_is_one_flag_with_help() -> None:
     def cmd(engine: dict) -> None:
         click.echo(json.dumps(engine))
 
+    user = [f.name for f in fields(RuntimeConfig) if f.name != "tuning"]
     names = {p.name for p in cmd.params}
-    assert names == {f.name for f in fields(RuntimeConfig)}
-    for f in fields(RuntimeConfig):
-        assert len(field_help(f.name)) > 10
-    r = invoke(
-        cmd,
-        ["--no-prefetch", "--policy", "lru", "--prefetch-extra", "4", "--whole-calls"],
-    )
+    assert names == {*user, "tuning_settings"}
+    for name in user:
+        assert len(field_help(name)) > 10
+    sets = ["prefetch=off", "policy=lru", "prefetch-extra=4", "whole_calls=on"]
+    r = invoke(cmd, ["--backend", "slots", *(a for s in sets for a in ("--set", s))])
     got = json.loads(r.output)
-    assert got == {"prefetch": False, "policy": "lru", "prefetch_extra": 4} | {
-        "whole_calls": True
-    }
-    assert RuntimeConfig(**got).prefetch is False
-    bad = CliRunner().invoke(cmd, ["--policy", "fifo"])
+    assert got["backend"] == "slots"
+    want = {"prefetch": False, "policy": "lru", "prefetch_extra": 4}
+    assert got["tuning"] == {**want, "whole_calls": True}
+    assert RuntimeConfig(**got).tuning == Tuning(**want, whole_calls=True)
+    bad = CliRunner().invoke(cmd, ["--backend", "fifo"])
     assert bad.exit_code == 2 and "fifo" in bad.output
+    fifo = json.loads(invoke(cmd, ["--set", "policy=fifo"]).output)
+    with pytest.raises(ValueError, match="Unknown cache policy 'fifo'"):
+        RuntimeConfig(**fifo)  # where the command builds its config
 
 
 @pytest.mark.parametrize(
@@ -113,7 +115,7 @@ def test_version_on_every_command(args: list[str]) -> None:
     assert r.exit_code == 0 and moestream.__version__ in r.output
 
 
-@pytest.mark.parametrize("flags", [["-v"], ["--log-level", "info"], []])
+@pytest.mark.parametrize("flags", [["-v"], ["-vv"], []])
 def test_log_level_and_v_reach_logging(converted: Path, flags) -> None:
     r = invoke(run_main, [converted, "-p", "x", "-m", 2, "--cache-experts", 3, *flags])
     assert r.exit_code == 0, r.output
@@ -129,13 +131,13 @@ def test_sampling_flags_match_mlx_lm(converted: Path, hf_dir: Path, recipe) -> N
 
     out = run_json(
         converted,
-        *("--temp", 0.8, "--top-k", 5, "--min-p", 0.05, "--seed", 7),
+        *("--temp", 0.8, "--top-p", 0.9, "--seed", 7),
         *("--cache-experts", 3),
     )
     tok = load_tokenizer(converted)
     mx.random.seed(7)  # before the model is built, as run-moe and mlx-lm seed
     reference = resident_model(hf_dir, recipe)
-    sampler = make_sampler(0.8, 1.0, 0.05, top_k=5)
+    sampler = make_sampler(0.8, 0.9)
     want = resident_tokens(reference, tok.encode("def add"), 10, sampler=sampler)
     assert out["tokens"] == want
 
@@ -144,10 +146,7 @@ def test_sampling_flags_match_mlx_lm(converted: Path, hf_dir: Path, recipe) -> N
     "flags, kv",
     [
         (["--max-kv-size", 6], {"max_kv_size": 6}),
-        (
-            ["--kv-bits", 4, "--kv-group-size", 32, "--quantized-kv-start", 2],
-            {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 2},
-        ),
+        (["--kv-bits", 4], {"kv_bits": 4}),
     ],
 )
 def test_kv_flags_match_mlx_lm(converted: Path, reference, flags, kv) -> None:
@@ -213,8 +212,6 @@ def test_draft_model_keeps_greedy_output(converted: Path, reference) -> None:
         3,
         "--draft-model",
         converted,
-        "--num-draft-tokens",
-        2,
     )
     assert drafted["tokens"] == plain["tokens"]
     tok = load_tokenizer(converted)
@@ -225,10 +222,11 @@ def test_draft_model_keeps_greedy_output(converted: Path, reference) -> None:
     assert r.exit_code == 2 and "is not a directory" in r.output
 
 
-def test_verbose_prints_as_mlx_lm(converted: Path) -> None:
-    r = invoke(run_main, [converted, "-p", "def", "-m", 4, "--verbose"])
+def test_stats_prints_as_mlx_lm_verbose(converted: Path) -> None:
+    r = invoke(run_main, [converted, "-p", "def", "-m", 4, "--stats"])
     assert r.exit_code == 0, r.output
-    assert r.output.startswith("==========\n")
+    assert re.search(r"^backend (cpu-slots|cpu-mapped|python), ", r.output, re.M)
+    assert "==========\n" in r.output
     assert re.search(r"Prompt: \d+ tokens, [\d.]+ tokens-per-sec", r.output)
     assert re.search(r"Generation: \d+ tokens, [\d.]+ tokens-per-sec", r.output)
     assert "Peak memory:" in r.output
@@ -242,7 +240,7 @@ def test_verbose_prints_as_mlx_lm(converted: Path) -> None:
 )
 def traced(converted: Path, tmp_path_factory: pytest.TempPathFactory, request):
     path = tmp_path_factory.mktemp("trace") / "run.jsonl"
-    engine = ["--engine", request.param]
+    engine = ["--set", f"engine={request.param}"]
     out = run_json(converted, "--cache-experts", 3, *engine, "--trace", path)
     return path, out
 
@@ -363,7 +361,7 @@ PLAN_FIELDS = (
         (["--cache-experts", "3"], {"cache_experts": 3}),
         (["--memory-budget", "600M"], {"memory_budget": "600M"}),
         (
-            ["--cache-experts", "5", "--no-prefetch", "--context", "300"],
+            ["--cache-experts", "5", "--set", "prefetch=off", "--context", "300"],
             {"cache_experts": 5, "prefetch": False, "context": 300},
         ),
         (
@@ -371,7 +369,7 @@ PLAN_FIELDS = (
             {"concurrency": 3, "cache_experts": 6},
         ),
         pytest.param(
-            ["--cache-experts", "3", "--engine", "native", "--host-budget", "1M"],
+            ["--cache-experts", "3", "--set", "engine=native", "--host-budget", "1M"],
             {"cache_experts": 3, "engine": "native", "host_budget": "1M"},
             marks=pytest.mark.skipif(
                 not native.available(), reason="the native engine is not built"
@@ -396,10 +394,11 @@ def test_plan_is_the_plan_load_makes(converted: Path, flags, options) -> None:
     assert plan["residency"] == plan["capacity"] / plan["num_experts"]
     assert plan["host_tier"] == loaded.host_tier
     assert (loaded.host_tier > 0) == ("host_budget" in options)
-    assert plan["engine"] == moestream.runtime_of(model).config.engine_used
+    execution = moestream.runtime_of(model).execution
+    assert plan["execution"] == execution.as_dict()
     text = invoke(cli, ["plan", converted, "--no-forecast", *flags]).output
     assert ("host tier" in text) == ("host_budget" in options)
-    assert f"; {plan['engine']} engine):" in text.splitlines()[0]
+    assert text.splitlines()[1].strip() == execution.describe()
 
 
 def test_default_budget_is_what_the_model_needs(converted: Path, monkeypatch) -> None:

@@ -26,8 +26,7 @@ from moestream.bench.routes import (
 )
 from moestream.bench.worker import Job, run
 from moestream.cli import main as moestream_cli
-from moestream.runtime import native
-from moestream.runtime.config import RuntimeConfig
+from moestream.runtime import config_from, native
 
 TINY = Scale(3, 8, 2, 128, 64, heads=4, kv_heads=2, head_dim=32, vocab=512)
 ENGINES = ["python", "native"] if native.available() else ["python"]
@@ -160,11 +159,11 @@ def test_forced_predictions_drive_prefetch_token_by_token(synthetic, tmp_path):
 def test_trace_predictions_are_checked_against_prefetch_extra(synthetic, tmp_path):
     path = tmp_path / "ahead.npz"
     oracle_trace(path, 0)  # 4 predictions a token: top-2 + at most 2
-    on = RuntimeConfig(prefetch=True, prefetch_extra=2)
+    on = config_from(prefetch=True, prefetch_extra=2)
     assert plan_rows(BenchConfig(synthetic, budgets=(50,), trace=path, runtime=on))
     with pytest.raises(ValueError, match="use prefetch_extra <= 2"):
         plan_rows(
-            BenchConfig(synthetic, trace=path, runtime=RuntimeConfig(prefetch_extra=3))
+            BenchConfig(synthetic, trace=path, runtime=config_from(prefetch_extra=3))
         )
     model, _ = moestream.load(synthetic, cache_experts=3, prefetch=True)
     with pytest.raises(ValueError, match="records 4: use prefetch_extra <= 2"):
@@ -175,7 +174,7 @@ def test_bench_rows_carry_the_trace_and_refuse_prefetch(synthetic, trace_file):
     rows = plan_rows(BenchConfig(synthetic, budgets=(50,), trace=trace_file))
     assert {r.job.trace for r in rows} == {str(trace_file)}
     with pytest.raises(ValueError, match="leave --prefetch unset"):
-        BenchConfig(synthetic, trace=trace_file, runtime=RuntimeConfig(prefetch=True))
+        BenchConfig(synthetic, trace=trace_file, runtime=config_from(prefetch=True))
 
 
 def test_a_bench_run_under_a_trace_reports_its_replays(synthetic, trace_file):

@@ -10,7 +10,7 @@ import pytest
 
 import moestream
 from moestream.formats import Recipe, RecipeError
-from moestream.runtime import parse_size
+from moestream.runtime import config_from, parse_size
 from moestream.runtime.pool import SlotPool
 
 
@@ -104,18 +104,17 @@ def test_recipe_rejects(bits: str, message: str) -> None:
         ("engine", "cuda", "Unknown engine 'cuda'"),
         ("policy", "mru", "Unknown cache policy 'mru'"),
         ("policy", "lfuda", "Unknown cache policy 'lfuda'"),
-        ("context", 0, "context must be in"),
-        ("prefetch", True, "python engine does not prefetch"),  # engine="python"
+        ("context", 0, "context must be at least 1"),
+        ("backend", "gpu", "Unknown backend 'gpu'"),
         ("lrfu_decay", 1.01, "lrfu_decay must be in"),
         ("prefetch_extra", -1, "prefetch_extra must be in"),
     ],
 )
 def test_runtime_config_refuses_bad_values(field: str, value, message: str) -> None:
-    from moestream.runtime import RuntimeConfig
-
-    engine = {} if field == "engine" else {"engine": "python"}
     with pytest.raises(ValueError, match=message):
-        RuntimeConfig(**{field: value, **engine})
+        config_from(**{field: value})
+    with pytest.raises(TypeError, match="Unknown runtime option mapped"):
+        config_from(mapped=True)
 
 
 def test_lrfu_decay_reaches_the_policy() -> None:
@@ -131,22 +130,27 @@ def test_lrfu_decay_reaches_the_policy() -> None:
     assert pool.resident(0)
 
 
-def test_engine_defaults_to_native_wherever_it_runs(monkeypatch) -> None:
+def test_engine_defaults_to_native_wherever_it_runs(monkeypatch, converted) -> None:
     """engine=None: native where the extension is built and can run on the
     current device (a CPU; a GPU only if built with CUDA), else python; and
-    prefetch follows the engine."""
-    from moestream.runtime import RuntimeConfig, native
+    prefetch follows the engine. The plan decides it, once."""
+    from moestream.runtime import backend, native
+    from moestream.runtime.loader import execution_for
 
-    on_cpu = mx.default_device() == mx.cpu
-    built = native.cuda_available() if not on_cpu else native.available()
-    want = "native" if built else "python"
-    assert RuntimeConfig().engine_used == want
-    assert RuntimeConfig().prefetches == (want == "native")
-    assert RuntimeConfig(engine="python").engine_used == "python"
-    assert not RuntimeConfig(engine="python").prefetches
-    assert not RuntimeConfig(engine="native", prefetch=False).prefetches
+    gpu = backend.on_gpu()
+    want = "native" if native.runs_here(gpu) else "python"
+    plan = execution_for(converted, config_from(cache_experts=4))
+    assert (plan.backend != backend.PYTHON) == (want == "native")
+    assert plan.prefetch == (want == "native")
+    python = execution_for(converted, config_from(cache_experts=4, engine="python"))
+    assert python.backend == backend.PYTHON and not python.prefetch
+    off = config_from(cache_experts=4, engine=want, prefetch=False)
+    assert not execution_for(converted, off).prefetch
+    with pytest.raises(ValueError, match="python engine has no prefetch"):
+        execution_for(converted, config_from(engine="python", prefetch=True))
     monkeypatch.setattr(native, "_native", None)  # not built (macOS)
-    assert RuntimeConfig().engine_used == "python"
+    plan = execution_for(converted, config_from(cache_experts=4))
+    assert plan.backend == backend.PYTHON
 
 
 def test_default_engine_falls_back_with_a_warning(
@@ -154,19 +158,19 @@ def test_default_engine_falls_back_with_a_warning(
 ) -> None:
     """An extension built against another MLX (an upgrade since the install)
     cannot run: the default engine is python then, and load says why."""
-    from moestream.runtime import RuntimeConfig, native
+    from moestream.runtime import native
 
     if not native.available() or mx.default_device() != mx.cpu:
         pytest.skip("needs the native engine built for this CPU")
-    assert native.fallback_reason() is None
+    assert native.fallback_reason(False) is None
     monkeypatch.setattr(native._native, "mlx_version", "0.0.1")
-    assert RuntimeConfig().engine_used == "python"
-    assert "built against MLX 0.0.1" in native.fallback_reason()
-    with caplog.at_level(logging.WARNING, logger="moestream.runtime.loader"):
+    assert not native.runs_here(False)
+    assert "built against MLX 0.0.1" in native.fallback_reason(False)
+    with caplog.at_level(logging.WARNING, logger="moestream.runtime.backend"):
         moestream.load(converted, cache_experts=4)
     (record,) = [r for r in caplog.records if "instead of the native" in r.message]
     assert "reinstall moestream" in record.message
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="moestream.runtime.loader"):
+    with caplog.at_level(logging.WARNING, logger="moestream.runtime.backend"):
         moestream.load(converted, cache_experts=4, engine="python")  # as asked
     assert not [r for r in caplog.records if "instead of the native" in r.message]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..formats import load_manifest
 from ..formats.manifest import inside
-from ..runtime.config import RuntimeConfig
+from ..runtime.config import Tuning
 from .balloon import FLOOR, Balloon, available
 from .harness import DECODE_PROMPT_TOKENS, capacity_for, run_job
 from .llama_cpp import LlamaJob, run_llama_bench
@@ -96,7 +96,7 @@ def moestream_job(cfg: BeyondConfig, pct: float, cold: bool, runtime: dict) -> J
         decode_tokens=cfg.decode_tokens,
         trace=str(cfg.trace) if cfg.trace else None,
     )
-    return replace(job, runtime=replace(job.runtime, **runtime))
+    return replace(job, runtime=job.runtime.with_options(**runtime))
 
 
 def compute_job(cfg: BeyondConfig, folder: Path) -> Job:
@@ -190,9 +190,7 @@ def run_beyond(cfg: BeyondConfig, progress: Callable[[str], None] = print) -> di
         config = json.loads((cfg.out / "config.json").read_text())
         routes = load_trace(cfg.trace)
         variants = [{}, *(f for _, f in cfg.runtime_fields)]
-        extras = [
-            f.get("prefetch_extra", RuntimeConfig.prefetch_extra) for f in variants
-        ]
+        extras = [f.get("prefetch_extra", Tuning.prefetch_extra) for f in variants]
         check_trace(
             routes, config["num_experts"], config["num_experts_per_tok"], extras
         )

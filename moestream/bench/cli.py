@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 
 import click
 
 from ..errors import user_errors
 from ..options import common_options, engine_options
-from ..runtime.config import RuntimeConfig
+from ..runtime.config import TUNING_FIELDS, USER_FIELDS, RuntimeConfig
 from .harness import BenchConfig, main
 from .plot import plot_bench, pyplot
 
@@ -28,15 +27,15 @@ def _value(text: str) -> object:
 
 
 def parse_compare(text: str) -> tuple[str, dict]:
-    """`prefetch=false,policy=lru` -> (that label, RuntimeConfig fields)."""
-    known = {f.name for f in fields(RuntimeConfig)}
+    """`prefetch=false,policy=lru` -> (that label, RuntimeConfig or Tuning fields)."""
+    known = set(USER_FIELDS + TUNING_FIELDS)
     out = {}
     for part in text.split(","):
         name, eq, value = part.partition("=")
         name = name.strip().replace("-", "_")
         if not eq or name not in known:
             raise click.BadParameter(
-                f"{part!r} is not FIELD=VALUE with a RuntimeConfig field "
+                f"{part!r} is not FIELD=VALUE with a RuntimeConfig or Tuning field "
                 f"({', '.join(sorted(known))})."
             )
         out[name] = _value(value)
@@ -98,7 +97,7 @@ def _floats(text: str) -> tuple[float, ...]:
     type=click.Path(dir_okay=False),
     help="Also draw the table's ratios into this image (needs moestream[plot]).",
 )
-@engine_options(exclude=("memory_budget", "cache_experts", "context", "record_trace"))
+@engine_options(exclude=("memory_budget", "cache_experts", "context"), show_set=True)
 @common_options
 def bench(
     out: str,

@@ -60,8 +60,12 @@ class BenchConfig:
                     f"--compare {label}: the bench sets {', '.join(fixed)} per run; "
                     "compare other fields."
                 )
-            replace(self.runtime, **fields)  # validates each variant now
-        if self.trace and self.runtime.prefetch and not load_trace(self.trace).predicts:
+            self.runtime.with_options(**fields)  # validates each variant now
+        if (
+            self.trace
+            and self.runtime.tuning.prefetch
+            and not load_trace(self.trace).predicts
+        ):
             raise ValueError(
                 f"--trace {self.trace} forces routes the model's routers cannot "
                 "predict and records no predictions (`ahead`): leave --prefetch "
@@ -95,8 +99,11 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
     experts = max(layer.num_experts for layer in manifest.layers)
     top_k = int(config.get("num_experts_per_tok", 1))
     if cfg.trace:  # fail here in one line, not in every worker
-        runtimes = [cfg.runtime, *(replace(cfg.runtime, **f) for _, f in cfg.compare)]
-        extras = [r.prefetch_extra for r in runtimes]
+        runtimes = [
+            cfg.runtime,
+            *(cfg.runtime.with_options(**f) for _, f in cfg.compare),
+        ]
+        extras = [r.tuning.prefetch_extra for r in runtimes]
         check_trace(load_trace(cfg.trace), experts, top_k, extras)
     base = Job(
         out=str(cfg.out),
@@ -109,7 +116,7 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
     )
     rows = [Row("resident", None, "-", base)]
     variants = [("", cfg.runtime)]
-    variants += [(label, replace(cfg.runtime, **f)) for label, f in cfg.compare]
+    variants += [(label, cfg.runtime.with_options(**f)) for label, f in cfg.compare]
     for pct in cfg.budgets:
         cap = capacity_for(pct, experts, top_k)
         for mode in cfg.modes:
@@ -227,7 +234,7 @@ def _streaming_entry(cfg: BenchConfig, row: Row, ref: Row, disk: dict) -> dict:
         if row.decode[0].get("host_tier")
         else None,
         "lru": statistics.median(r["lru"] for r in replay),
-        "policy": statistics.median(r[row.job.runtime.policy] for r in replay),
+        "policy": statistics.median(r[row.job.runtime.tuning.policy] for r in replay),
         "belady": statistics.median(r["belady"] for r in replay),
         "mb_per_token": bpt / 1e6,
         "disk_mb_per_token": row.median("disk_bytes_per_token") / 1e6,

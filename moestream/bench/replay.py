@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime.config import RuntimeConfig
+from ..runtime.config import Tuning
 from ..runtime.pool import SlotPool
 
 
@@ -18,7 +18,7 @@ def policy_hits(
     capacity: int,
     policy: str,
     experts: int,
-    lrfu_decay: float = RuntimeConfig.lrfu_decay,
+    lrfu_decay: float = Tuning.lrfu_decay,
 ) -> int:
     return int(policy_step_hits(trace, capacity, policy, experts, lrfu_decay).sum())
 
@@ -28,7 +28,7 @@ def policy_step_hits(
     capacity: int,
     policy: str,
     experts: int,
-    lrfu_decay: float = RuntimeConfig.lrfu_decay,
+    lrfu_decay: float = Tuning.lrfu_decay,
 ) -> np.ndarray:
     """Hits of each row of `trace` (distinct experts found resident)."""
     pool = SlotPool(min(capacity, experts), experts, policy, lrfu_decay)
@@ -70,7 +70,7 @@ def replay_all(
     traces: dict[int, np.ndarray],
     capacity: int,
     policy: str = "lrfu",
-    lrfu_decay: float = RuntimeConfig.lrfu_decay,
+    lrfu_decay: float = Tuning.lrfu_decay,
 ) -> dict[str, float]:
     """Hit rates of LRU, `policy` and Belady on `traces`, from empty caches."""
     total = sum(sum(len(np.unique(r)) for r in t) for t in traces.values())

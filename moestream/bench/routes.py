@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..families import layer_index
-from ..runtime.config import RuntimeConfig
+from ..runtime.config import Tuning
 from .replay import belady_hits, policy_hits
 
 # A forced expert's logit: after the softmax it outweighs every other by e^10.
@@ -305,7 +305,7 @@ def policy_curves(
     trace: RoutingTrace,
     capacities: list[int],
     policies: tuple[str, ...] = ("lru", "lrfu"),
-    lrfu_decay: float = RuntimeConfig.lrfu_decay,
+    lrfu_decay: float = Tuning.lrfu_decay,
 ) -> dict[int, dict[str, float]]:
     """Hit rates of each policy and Belady at each capacity: every layer, every
     sequence from empty slots (as a fresh decode), over all selections."""
@@ -349,7 +349,7 @@ def locality(trace: RoutingTrace) -> dict[str, float]:
 def trace_report(
     trace: RoutingTrace,
     slots: dict[float, int],
-    lrfu_decay: float = RuntimeConfig.lrfu_decay,
+    lrfu_decay: float = Tuning.lrfu_decay,
 ) -> dict:
     """The trace's shape, locality and policy curves at `slots` (% of experts
     -> slots per layer)."""

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from ..families import cast_floating
 from ..formats import load_manifest
 from ..formats.verify import check_files
 from ..reference import resident_from_converted
+from ..runtime.backend import on_gpu
 from ..runtime.config import RuntimeConfig
 from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
 from ..units import peak_rss
@@ -76,7 +77,7 @@ def run(job: Job) -> dict:
     tokenizer = load_tokenizer(out, eos_token_ids=load_config(out).get("eos_token_id"))
     model, runtime = _model(job, tokenizer)
     prompt = mx.array(prompt_ids(tokenizer, job.prompt_tokens))
-    if mx.default_device() != mx.cpu:  # compile every kernel shape of the run first
+    if on_gpu():  # compile every kernel shape of the run first
         warm = mx.array(prompt_ids(tokenizer, max(16, job.prompt_tokens)))
         for _ in generate_step(warm, model, max_tokens=GPU_WARMUP_TOKENS):
             pass
@@ -112,7 +113,7 @@ def run(job: Job) -> dict:
         "system_s_per_token": system / max(n, 1),
         "tokens": tokens,
         "peak_rss": peak_rss(),
-        "device_peak": mx.get_peak_memory() if mx.default_device() != mx.cpu else None,
+        "device_peak": mx.get_peak_memory() if on_gpu() else None,
     }
     if runtime is not None:
         result.update(_streaming_result(job, runtime, n))
@@ -128,24 +129,23 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
     if job.runtime.verify:  # as load will: its read buffers stay in RSS
         check_files(out, load_manifest(out))
     # Mapped: no slots, so no budget of them (the page cache holds experts).
-    mapped = job.runtime.mapped
+    mapped = job.runtime.backend == "mapped"
     budget = None if mapped else budget_for(out, job.capacity, context, job.runtime)
     gc.collect()
     # The model's routers cannot predict forced routes: prefetch runs on the
     # trace's recorded predictions, or not at all when it has none.
     trace = load_trace(job.trace) if job.trace else None
     predicts = trace is None or trace.predicts
-    options = replace(
-        job.runtime,
+    options = job.runtime.with_options(
         cache_experts=None if mapped else job.capacity,
         memory_budget=budget,
         context=context,
         record_trace=True,
-        prefetch=job.runtime.prefetch if predicts else False,
+        prefetch=job.runtime.tuning.prefetch if predicts else False,
     )
     model, _ = load(out, options, tokenizer=tokenizer)
     if trace is not None:
-        force_routes(model, trace, options.prefetch_extra)
+        force_routes(model, trace, options.tuning.prefetch_extra)
     runtime = runtime_of(model)
     if job.cold:
         runtime.drop_cache()
@@ -171,7 +171,7 @@ def _restart(job: Job, runtime: object | None) -> None:
 def _streaming_result(job: Job, runtime: object, n: int) -> dict:
     """The streaming engine's counters, bytes per token, plan and replays."""
     s = runtime.stats.collect()  # the native engine's counters
-    plan, cfg = runtime.plan, job.runtime
+    plan, t = runtime.plan, job.runtime.tuning
     # Mapped: no slots; the replays say what the row's slots would hit, and
     # the plan holds all but the experts.
     capacity = job.capacity if plan.mapped else plan.capacity
@@ -182,7 +182,8 @@ def _streaming_result(job: Job, runtime: object, n: int) -> dict:
         "budget": plan.total if plan.mapped else plan.budget,
         "capacity": plan.capacity,
         "host_tier": plan.host_tier,
-        "replay": replay_all(s.routing(), capacity, cfg.policy, cfg.lrfu_decay),
+        "replay": replay_all(s.routing(), capacity, t.policy, t.lrfu_decay),
+        "backend": runtime.execution.backend,
     }
 
 

@@ -20,7 +20,7 @@ from ..runtime import RuntimeConfig, load, runtime_of, stats
 
 HELP = "commands: q quit, r reset the conversation, h help"
 # RuntimeConfig fields a chat sets its own way: one conversation, no trace.
-ENGINE_EXCLUDED = ("record_trace", "concurrency")
+ENGINE_EXCLUDED = ("concurrency",)
 
 
 @click.command(context_settings=CONTEXT)

@@ -41,7 +41,7 @@ from ..runtime.config import RuntimeConfig
     "KL divergence of the next-token distributions. It must fit in memory.",
 )
 @json_option
-@engine_options(exclude=("record_trace", "context", "concurrency"))
+@engine_options(exclude=("context", "concurrency"))
 @common_options
 def eval_cmd(
     model_dir: str,

@@ -76,7 +76,7 @@ def serve_runtime(model_dir: str, cfg: RuntimeConfig) -> RuntimeConfig:
 @click.option("--system-prompt", default=None, help="run-moe's system prompt.")
 @click.option("--ignore-chat-template", is_flag=True, help="As run-moe takes it.")
 @json_option
-@engine_options(exclude=("record_trace",))
+@engine_options()
 @common_options
 def plan_cmd(
     model_dir: str,

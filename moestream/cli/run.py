@@ -16,7 +16,6 @@ from ..errors import user_errors
 from ..formats import load_manifest
 from ..formats.verify import check_files
 from ..generate import (
-    QUANTIZED_KV_START,
     Sampling,
     encode_prompt,
     generate,
@@ -37,8 +36,6 @@ from ..runtime import RuntimeConfig, load, runtime_of
 @click.option("--max-tokens", "-m", default=256, show_default=True, type=int)
 @click.option("--temp", default=0.0, show_default=True, type=float)
 @click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--min-p", default=0.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int, help="0: off.")
 @click.option("--seed", default=None, type=int, help="Random seed for sampling.")
 @click.option(
     "--ignore-chat-template",
@@ -48,14 +45,6 @@ from ..runtime import RuntimeConfig, load, runtime_of
 @click.option("--max-kv-size", default=None, type=int, help="Rotating KV cache size.")
 @click.option(
     "--kv-bits", default=None, type=int, help="Quantize the KV cache to these bits."
-)
-@click.option("--kv-group-size", default=64, show_default=True, type=int)
-@click.option(
-    "--quantized-kv-start",
-    default=QUANTIZED_KV_START,
-    show_default=True,
-    type=int,
-    help="With --kv-bits, quantize the KV cache from this step on.",
 )
 @click.option(
     "--prompt-cache-file",
@@ -74,7 +63,6 @@ from ..runtime import RuntimeConfig, load, runtime_of
     default=None,
     help="Speculative decoding with this draft: a moestream OUT or an mlx-lm model.",
 )
-@click.option("--num-draft-tokens", default=3, show_default=True, type=int)
 @click.option(
     "--trace",
     "trace_file",
@@ -84,13 +72,11 @@ from ..runtime import RuntimeConfig, load, runtime_of
     "bytes read (JSON lines; `moestream plot` draws it).",
 )
 @click.option(
-    "--verbose", is_flag=True, help="Print as mlx_lm.generate --verbose does."
-)
-@click.option(
     "--stats",
     "show_stats",
     is_flag=True,
-    help="Print the memory plan and one line of speed and cache statistics.",
+    help="Print the backend, the memory plan, mlx_lm.generate's --verbose "
+    "lines and one line of cache statistics.",
 )
 @click.option(
     "--json",
@@ -104,7 +90,7 @@ from ..runtime import RuntimeConfig, load, runtime_of
     help="Run as one rank of a pipeline started by mlx.launch: this rank loads "
     "and streams only its share of the layers; rank 0 prints.",
 )
-@engine_options(exclude=("record_trace", "context", "concurrency"))
+@engine_options(exclude=("context", "concurrency"))
 @common_options
 def main(**flags: Any) -> None:
     """Generate text with a model converted by convert-moe."""
@@ -117,8 +103,7 @@ def main(**flags: Any) -> None:
 
 # The flags that are mlx_lm.generate's sampling and KV-cache options.
 SAMPLING = (
-    "temp", "top_p", "min_p", "top_k", "max_kv_size", "kv_bits", "kv_group_size",
-    "quantized_kv_start", "num_draft_tokens",
+    "temp", "top_p", "max_kv_size", "kv_bits",
 )  # fmt: skip
 
 
@@ -136,7 +121,6 @@ class RunArgs:
     save_prompt_cache: str | None
     draft_model: str | None
     trace_file: str | None
-    verbose: bool
     show_stats: bool
     as_json: bool
     pipeline: bool
@@ -219,13 +203,13 @@ def _run(args: RunArgs) -> dict | None:
     )
     draft = load_draft(args.draft_model, tok) if args.draft_model else None
     options = RuntimeConfig(
-        **args.engine,
-        context=cached + len(ids) + args.max_tokens,
-        record_trace=args.trace_file is not None,
-    )
+        **args.engine, context=cached + len(ids) + args.max_tokens
+    ).with_options(record_trace=args.trace_file is not None)
     model, tok = load(args.model_dir, options, tokenizer=tok, progress=not args.as_json)
     if args.show_stats:
-        click.echo(runtime_of(model).plan.describe(), err=True)
+        rt = runtime_of(model)
+        click.echo(rt.execution.describe(), err=True)
+        click.echo(rt.plan.describe(), err=True)
     if args.save_prompt_cache:
         save_cache(model, ids, args.save_prompt_cache, args.model_dir, args.sampling)
         click.echo(
@@ -234,7 +218,7 @@ def _run(args: RunArgs) -> dict | None:
             err=True,
         )
         return None
-    if args.verbose and not args.as_json:
+    if args.show_stats and not args.as_json:
         click.echo("=" * 10)
     gen = generate(
         model, tok, ids, args.max_tokens, args.sampling, args.on_text(), cache, draft
@@ -252,7 +236,7 @@ def _print(args: RunArgs, result: dict) -> None:
         return
     click.echo()
     s = result["stats"]
-    if args.verbose:
+    if args.show_stats:
         click.echo("=" * 10)
         click.echo(
             f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.3f} tokens-per-sec"
@@ -262,7 +246,6 @@ def _print(args: RunArgs, result: dict) -> None:
             f"{s['generation_tps']:.3f} tokens-per-sec"
         )
         click.echo(f"Peak memory: {s['mlx_peak_memory'] / 1e9:.3f} GB")
-    if args.show_stats:
         _print_stats(s)
 
 

@@ -20,7 +20,7 @@ from ..units import parse_size
 
 # RuntimeConfig fields that are not serve flags of their own: --trace FILE sets
 # record_trace, and --decode-concurrency (mlx_lm.server's name) concurrency.
-ENGINE_EXCLUDED = ("record_trace", "concurrency")
+ENGINE_EXCLUDED = ("concurrency",)
 
 
 def _json_object(ctx, param, value: str) -> dict:
@@ -138,7 +138,7 @@ def _size(ctx, param, value: str | None) -> int | None:
     help="Run as one rank of a pipeline started by mlx.launch: rank 0 serves "
     "HTTP, every rank runs its share of the layers.",
 )
-@logging_options("info", fmt=LOG_FORMAT)
+@logging_options("info", fmt=LOG_FORMAT, level_option=True)
 def serve_cmd(
     model_dir: str,
     host: str,
@@ -158,7 +158,7 @@ def serve_cmd(
 
     def start() -> Server:
         options = ServerOptions(**flags)
-        config = RuntimeConfig(**engine, record_trace=bool(trace_file))
+        config = RuntimeConfig(**engine).with_options(record_trace=bool(trace_file))
         if pipeline and trace_file:
             raise ValueError("--pipeline does not take --trace yet.")
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())

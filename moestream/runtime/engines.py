@@ -19,7 +19,7 @@ import numpy as np
 
 from ..formats import ExpertLayer
 from . import native
-from .config import RuntimeConfig
+from .backend import ExecutionPlan
 from .pool import SlotPool
 from .stats import RuntimeStats
 from .store import ExpertStore, SlotFiller
@@ -148,13 +148,12 @@ class PythonEngine(_Base):
         capacity: int,
         stats: RuntimeStats,
         outstanding: Outstanding,
-        config: RuntimeConfig,
+        plan: ExecutionPlan,
     ) -> None:
         super().__init__(layer, stats, outstanding)
         self.store = store
-        self.pool = SlotPool(
-            capacity, layer.num_experts, config.policy, config.lrfu_decay
-        )
+        t = plan.tuning
+        self.pool = SlotPool(capacity, layer.num_experts, t.policy, t.lrfu_decay)
         # host views of the slots (on a GPU they become managed memory)
         self.filler = SlotFiller(store, layer, slots)
 
@@ -228,26 +227,14 @@ class NativeEngine(_Base):
         capacity: int,
         stats: RuntimeStats,
         outstanding: Outstanding,
-        config: RuntimeConfig,
+        plan: ExecutionPlan,
         tier: object | None,
     ) -> None:
         super().__init__(layer, stats, outstanding)
         self.capacity = capacity
+        path = store.readers[layer.layer].path
         self.cache = native.expert_cache(
-            store.readers[layer.layer].path,
-            layer,
-            slots,
-            capacity,
-            verify=store.verify,
-            policy=config.policy,
-            decay=config.lrfu_decay,
-            max_pairs=capacity,
-            tier=tier,
-            record_calls=config.record_trace,
-            device_resolve=config.device_resolve,
-            readers=config.readers,
-            direct_io=config.direct_io,
-            mapped=config.mapped,
+            path, layer, slots, capacity, plan, verify=store.verify, tier=tier
         )
         stats.native.append(self.cache)
         stats.native_layers[layer.layer] = self.cache
@@ -293,3 +280,18 @@ class NativeEngine(_Base):
         if (table < self.capacity).all():
             self.table = mx.array(table)  # never evicts now
         return table
+
+
+def make_engine(
+    plan: ExecutionPlan,
+    layer: ExpertLayer,
+    store: ExpertStore,
+    slots: list[mx.array],
+    capacity: int,
+    stats: RuntimeStats,
+    outstanding: Outstanding,
+    tier: object | None,
+) -> Engine:
+    """The plan's engine for one layer: the backend chose it, once."""
+    args = (layer, store, slots, capacity, stats, outstanding, plan)
+    return NativeEngine(*args, tier) if plan.native else PythonEngine(*args)

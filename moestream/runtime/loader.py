@@ -28,8 +28,8 @@ from ..families import (
 from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
-from ..units import human_bytes, parse_size
 from . import native
+from .backend import ExecutionPlan, compute_dtype, resolve
 from .config import RuntimeConfig
 from .memory import (  # noqa: F401  (re-exported: the plan's old home)
     PREFILL_STEP,
@@ -49,9 +49,6 @@ from .switch import Outstanding, StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
 
-# O_DIRECT's alignment of a destination (RuntimeConfig.direct_io): 4 KiB
-# covers every Linux block size (csrc ExpertCache::kDirectAlign).
-DIRECT_ALIGN = 4096
 # glibc's mallopt parameter number, and the threshold set under a budget.
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 20
@@ -72,12 +69,13 @@ class Runtime:
     store: ExpertStore
     compute_dtype: mx.Dtype
     config: RuntimeConfig
+    execution: ExecutionPlan  # the backend that runs, every default resolved
 
     def drop_cache(self) -> None:
         """Drop the blobs from the page cache (a cold start). A mapped layer's
         pages leave its mapping first: a page some process maps is not dropped."""
-        for cache in self.stats.native_layers.values():
-            if cache.mapped:  # type: ignore[attr-defined]
+        if self.execution.mapped:
+            for cache in self.stats.native_layers.values():
                 cache.unmap_pages()  # type: ignore[attr-defined]
         self.store.drop_cache()
 
@@ -94,7 +92,7 @@ def load(
     """Load a converted model for `mlx_lm.generate` / `mlx_lm.stream_generate`.
 
     config: the runtime options (`RuntimeConfig`); keyword `options` override
-        its fields, e.g. `load(out, memory_budget="8G", policy="lru")`.
+        its fields or its Tuning's, e.g. `load(out, memory_budget="8G", policy="lru")`.
     tokenizer: reuse one already loaded from `path` (its memory counts as process).
     tokenizer_config: extra tokenizer options, as `mlx_lm.load` takes them,
         e.g. {"chat_template": "..."} (ignored with `tokenizer`).
@@ -102,31 +100,56 @@ def load(
     shard: cuts the lazily built model to the range of decoder layers it
         returns, before any weight is read (a pipeline rank's share).
     """
-    cfg = replace(config or RuntimeConfig(), **options)  # validates the options
-    _warn_fallback(cfg)
+    cfg = (config or RuntimeConfig()).with_options(**options)
     directory = Path(path)
     manifest = load_manifest(directory)
     if cfg.verify:  # dense, config and tokenizer files, before any is used
         check_files(directory, manifest, progress=progress)
-    compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
     model_config = load_config(directory)
     tokenizer = tokenizer or _tokenizer(directory, model_config, tokenizer_config)
-    process = _process_bytes()
+    execution, model, manifest, model_config, switches, layers = _planned(
+        directory, manifest, model_config, cfg, shard
+    )
+    plan = execution.memory
+    log.info(execution.describe())
+    log.info(plan.describe())
+    _bound_allocators(plan)
+    stats = RuntimeStats(recording=cfg.tuning.record_trace)
+    store = ExpertStore(directory, manifest, verify=cfg.verify)
+    tier = native.host_tier(plan, cfg.tuning.readers) if plan.host_records else None
+    streaming = _stream(model, switches, layers, store, execution, stats, tier)
+    _start(model, streaming, tier, stats, execution, model_config, progress)
+    compute = getattr(mx, execution.compute)
+    model.moestream = Runtime(
+        directory, manifest, plan, stats, store, compute, cfg, execution
+    )
+    return model, tokenizer
+
+
+def _planned(
+    directory: Path,
+    manifest: Manifest,
+    model_config: dict,
+    cfg: RuntimeConfig,
+    shard: Shard | None,
+) -> tuple[ExecutionPlan, nn.Module, Manifest, dict, dict, dict]:
+    """The lazily built model (`_build`) and its execution plan, which sizes
+    this process as it is after the build and the kernel's first-use check:
+    `load` and `plan_for` measure at the same point."""
+    compute = getattr(mx, compute_dtype(cfg.dtype, manifest.dtype))
     model, manifest, model_config, switches, layers = _build(
         directory, manifest, model_config, compute, shard
     )
-    plan, cfg = _plan_resolved(manifest, model_config, model, compute, process, cfg)
-    log.info(plan.describe())
-    _bound_allocators(plan)
-    stats = RuntimeStats(recording=cfg.record_trace)
-    store = ExpertStore(directory, manifest, verify=cfg.verify)
-    tier = native.host_tier(plan, cfg.readers) if plan.host_records else None
-    streaming = _stream(model, switches, layers, store, plan, compute, stats, cfg, tier)
-    _start(model, streaming, tier, stats, manifest, plan, cfg, model_config, progress)
-    stats.reset()
-    model.eval()
-    model.moestream = Runtime(directory, manifest, plan, stats, store, compute, cfg)
-    return model, tokenizer
+    execution = resolve(
+        cfg,
+        manifest,
+        model_config,
+        model,
+        switches.values(),
+        _process_bytes,
+        _nbytes(model),
+    )
+    return execution, model, manifest, model_config, switches, layers
 
 
 def _tokenizer(
@@ -139,23 +162,13 @@ def _tokenizer(
     )
 
 
-def _warn_fallback(cfg: RuntimeConfig) -> None:
-    """A slower engine than expected: never silently."""
-    if cfg.engine is None and cfg.engine_used == "python":
-        reason = native.fallback_reason()
-        if reason:
-            log.warning("the python engine runs instead of the native one: %s", reason)
-
-
 def _stream(
     model: nn.Module,
     switches: dict[str, nn.Module],
     layers: dict[str, ExpertLayer],
     store: ExpertStore,
-    plan: MemoryPlan,
-    compute: mx.Dtype,
+    execution: ExecutionPlan,
     stats: RuntimeStats,
-    cfg: RuntimeConfig,
     tier: object | None,
 ) -> dict[str, StreamingSwitchGLU]:
     """Put a streaming SwitchGLU in place of each of the model's SwitchGLUs."""
@@ -166,11 +179,11 @@ def _stream(
             module,
             layers[spath],
             store,
-            plan.capacity,
-            compute,
+            execution.memory.capacity,
+            getattr(mx, execution.compute),
             stats,
             outstanding,
-            cfg,
+            execution,
             tier,
         )
         replace_module(model, spath, streaming[spath])
@@ -182,31 +195,19 @@ def _start(
     streaming: dict[str, StreamingSwitchGLU],
     tier: object | None,
     stats: RuntimeStats,
-    manifest: Manifest,
-    plan: MemoryPlan,
-    cfg: RuntimeConfig,
+    execution: ExecutionPlan,
     model_config: dict,
     progress: bool,
 ) -> None:
-    """Chain the read-ahead, read the dense weights, fill what all fits."""
+    """Chain the read-ahead, read the dense weights, fill what all fits, and
+    start the counters from zero."""
     if tier is not None:  # counted after its layers (a GPU's fills count there)
         stats.native.append(tier)
-    every = sum(layer.num_experts for layer in manifest.layers)
-    full_tier = tier is not None and plan.host_records >= every
-    # The native engine's read-ahead; by default none into a tier that holds
-    # every record (read at load: nothing is left to read ahead), nor on a GPU
-    # whose kernels resolve the tier unless its reads are direct (buffered,
-    # reads ahead lost beyond RAM; docs/gpu.md measures both).
-    on_device = tier is not None and plan.host_pinned and cfg.device_resolve
-    on_device = on_device and not cfg.direct_io
-    # Nor, with direct_io and no tier, as kernel readahead into a page cache
-    # that direct reads skip.
-    no_target = cfg.direct_io and tier is None
-    if cfg.prefetches and not (
-        (full_tier or on_device or no_target) and cfg.prefetch is None
-    ):
-        chain_prefetch(model, streaming, model_config, cfg.prefetch_extra)
-    native.use_dense_kernel(model, cfg)  # cpu_kernel: attention, router, lm_head
+    plan = execution.memory
+    if execution.prefetch:
+        extra = execution.tuning.prefetch_extra
+        chain_prefetch(model, streaming, model_config, extra)
+    native.use_dense_kernel(model, execution)  # attention, router, lm_head
     mx.eval(model.parameters())
     all_fit = plan.capacity >= plan.num_experts
     bar = tqdm(
@@ -218,8 +219,10 @@ def _start(
     )
     for layer in bar:
         layer.fill_if_all_fit()  # then decode never waits on the host
-    if full_tier:
+    if execution.fill_tier:
         _fill_tier(tier, streaming.values(), progress)
+    stats.reset()  # what loading read is not the run's
+    model.eval()
 
 
 def _fill_tier(tier: object, layers: object, progress: bool) -> None:
@@ -240,118 +243,6 @@ def _tokenizer_options(extra: dict | None) -> dict:
             "from the tokenizer options."
         )
     return {**(extra or {}), "trust_remote_code": False}
-
-
-def _plan_model(
-    manifest: Manifest,
-    config: dict,
-    model: nn.Module,
-    compute: mx.Dtype,
-    process: int,
-    cfg: RuntimeConfig,
-) -> MemoryPlan:
-    budget = parse_size(cfg.memory_budget) if cfg.memory_budget is not None else None
-    plan = plan_memory(
-        manifest,
-        config,
-        _nbytes(model),
-        compute,
-        process,
-        cfg.context,
-        None if cfg.mapped else budget,
-        cfg.cache_experts,
-        cfg.spare_slot,
-        cfg.concurrency,
-    )
-    if cfg.mapped:
-        return _plan_mapped(plan, budget)
-    return plan_host_tier(plan, manifest, cfg)
-
-
-def _plan_resolved(
-    manifest: Manifest,
-    config: dict,
-    model: nn.Module,
-    compute: mx.Dtype,
-    process: int,
-    cfg: RuntimeConfig,
-) -> tuple[MemoryPlan, RuntimeConfig]:
-    """The plan, and `cfg` with `mapped` decided: left unset, on where a CPU's
-    default slots cannot hold every expert and the kernel covers every layer."""
-    if cfg.mapped:
-        native.require_mapped(cfg, compute)
-    plan = _plan_model(manifest, config, model, compute, process, cfg)
-    if cfg.mapped is not None:
-        return plan, cfg
-    auto = (
-        plan.capacity < plan.num_experts
-        and cfg.memory_budget is None
-        and cfg.cache_experts is None
-        and cfg.host_budget is None
-        and not cfg.direct_io
-        and cfg.engine_used == "native"
-        and mx.default_device() == mx.cpu
-        and compute == mx.float32
-        and native.covers_every_layer(switch_modules(model).values(), cfg)
-    )
-    cfg = replace(cfg, mapped=auto)
-    if not auto:
-        return plan, cfg
-    log.info(
-        "a slot for every expert does not fit: the experts stay mapped, the "
-        "page cache holds them (--no-mapped: slots)"
-    )
-    return _plan_model(manifest, config, model, compute, process, cfg), cfg
-
-
-def _plan_mapped(plan: MemoryPlan, budget: int | None) -> MemoryPlan:
-    """RuntimeConfig.mapped: no slots; the budget holds the rest."""
-    plan = replace(plan, capacity=0, budget=budget, mapped=True)
-    if budget is not None and plan.total > budget:
-        raise BudgetError(
-            f"Dense weights, KV cache and activations need "
-            f"{human_bytes(plan.total, up=True)}, more than the budget "
-            f"{human_bytes(budget)}; give --memory-budget "
-            f"{human_bytes(plan.total, up=True)} or more, or a shorter --context."
-        )
-    return plan
-
-
-def plan_host_tier(
-    plan: MemoryPlan, manifest: Manifest, cfg: RuntimeConfig
-) -> MemoryPlan:
-    """The native engine's host tier under `cfg.host_budget`: on a GPU always
-    (the records a call copies to its slots live there; default: every record
-    if that fits in half the memory available now, else that half), on a CPU
-    only when a budget is given (the page cache is its host tier)."""
-    if cfg.engine_used != "native" or plan.capacity >= plan.num_experts:
-        return plan
-    on_gpu = mx.default_device() != mx.cpu
-    if cfg.host_budget is None and not on_gpu:
-        return plan
-    record = max(layer.record_nbytes for layer in manifest.layers)
-    if cfg.direct_io:  # each record block-aligned, for O_DIRECT reads into it
-        record = -(-record // DIRECT_ALIGN) * DIRECT_ALIGN
-    every = sum(layer.num_experts for layer in manifest.layers)
-    if cfg.host_budget is None:
-        budget = min(every * record, available_memory() // 2)
-    else:
-        budget = parse_size(cfg.host_budget)
-    records = min(every, budget // record)
-    if records < plan.capacity:  # one call's misses are read into it at once
-        raise BudgetError(
-            f"Host budget {human_bytes(budget)} holds {records} expert records; "
-            f"one call of {plan.capacity} slots needs {plan.capacity} "
-            f"({human_bytes(plan.capacity * record, up=True)}): give --host-budget "
-            f"{human_bytes(plan.capacity * record, up=True)} or more."
-        )
-    return replace(
-        plan,
-        host_records=records,
-        host_record=record,
-        host_budget=budget if cfg.host_budget is not None else None,
-        host_pinned=on_gpu,
-    )
 
 
 def _check_expert_shapes(
@@ -389,6 +280,7 @@ def budget_for(
         memory_budget=None,
         cache_experts=capacity,
         context=context,
+        backend="slots",
     )
     plan = plan_for(path, cfg, shard)
     return _budget_holding(plan.total - plan.reserve, growth=0.01)
@@ -402,16 +294,19 @@ def plan_for(
 
     Raises BudgetError as `load` would.
     """
-    cfg = config or RuntimeConfig()
+    return execution_for(path, config, shard).memory
+
+
+def execution_for(
+    path: str | Path, config: RuntimeConfig | None = None, shard: Shard | None = None
+) -> ExecutionPlan:
+    """The execution plan `load(path, config, shard=shard)` would make, without
+    reading a weight (BudgetError as `load` raises it)."""
     directory = Path(path)
     manifest = load_manifest(directory)
     model_config = load_config(directory)
-    compute = getattr(mx, resolve_dtype(cfg.dtype, manifest.dtype))
-    model, manifest, model_config, _, _ = _build(
-        directory, manifest, model_config, compute, shard
-    )
-    process = _process_bytes()
-    return _plan_resolved(manifest, model_config, model, compute, process, cfg)[0]
+    cfg = config or RuntimeConfig()
+    return _planned(directory, manifest, model_config, cfg, shard)[0]
 
 
 def _build(
@@ -485,9 +380,7 @@ def runtime_of(model: nn.Module) -> Runtime:
 
 
 def resolve_dtype(dtype: str, stored: str) -> str:
-    if dtype != "auto":
-        return dtype
-    return "float32" if mx.default_device() == mx.cpu else stored
+    return compute_dtype(dtype, stored)
 
 
 def dense_weights(directory: Path, manifest: Manifest) -> dict[str, mx.array]:

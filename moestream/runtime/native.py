@@ -1,12 +1,12 @@
 """The native engine: slot lookup and expert reads inside MLX's stream.
 
-`RuntimeConfig.engine="native"` (the default wherever the extension is built
+`Tuning.engine="native"` (the default wherever the extension is built
 and can run) hands each streaming layer an `ExpertCache` (csrc/, built by
 `pip install`) whose `fetch` primitive turns routed expert ids into slot ids
 while MLX evaluates the graph: misses are read on the stream (CPU); on a GPU
 a kernel resolves them from the device's copies of the slot table and the
 host tier's table, and only records the tier lacks are read, by a host thread
-that serves the kernel's pinned mailbox (RuntimeConfig.device_resolve; a host
+that serves the kernel's pinned mailbox (Tuning.device_resolve; a host
 function in the CUDA stream is the reference path). A decode step never returns
 to Python between MoE layers. A `HostTier` (RuntimeConfig.host_budget)
 holds records in host memory between the blob and the slots: its reader
@@ -14,7 +14,7 @@ threads read a call's misses in parallel and the next layer's predicted
 experts ahead; on a GPU it is pinned memory that a copy kernel reads from.
 The Python engine (engines.py) is the reference path.
 
-On a CPU, RuntimeConfig.cpu_kernel computes a call's routed experts, and the
+On a CPU, the plan's cpu_kernel computes a call's routed experts, and the
 dense quantized matmuls, with the extension's exact kernel (csrc/cpu_experts.h):
 MLX's own float arithmetic, bit for bit, with output rows in vector lanes and
 split over threads. MLX's ops stay the reference path beside it.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,11 +36,12 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 from ..formats import ExpertLayer
 from .store import ExpertReadError
 
-if TYPE_CHECKING:  # config imports this module to resolve the default engine
-    from .config import RuntimeConfig
+if TYPE_CHECKING:  # the plan imports this module to choose the backend
+    from .backend import ExecutionPlan
 
 log = logging.getLogger(__name__)
 
+_IMPORT_ERROR = "not imported"
 try:  # mlx.core first: the extension links against the libmlx it loaded
     from .. import _native
 except ImportError as e:  # not built (macOS, or an install without a compiler)
@@ -74,7 +74,12 @@ def cuda_available() -> bool:
     return available() and _native.built_with_cuda()
 
 
-def require() -> None:
+def runs_here(gpu: bool) -> bool:
+    """Whether the native engine can run on this device (the plan's question)."""
+    return cuda_available() if gpu else available()
+
+
+def require(gpu: bool = False) -> None:
     """Raise one clear line when the native engine cannot run in this process."""
     if _native is None:
         raise NativeEngineError(
@@ -88,7 +93,7 @@ def require() -> None:
             f"{_native.mlx_version} but MLX {mx.__version__} is installed; "
             "reinstall moestream, or use engine='python'."
         )
-    if mx.default_device() != mx.cpu and not _native.built_with_cuda():
+    if gpu and not _native.built_with_cuda():
         raise NativeEngineError(
             "moestream's native engine has no implementation for "
             f"{mx.default_device()} here (it was built without CUDA); "
@@ -96,13 +101,13 @@ def require() -> None:
         )
 
 
-def fallback_reason() -> str | None:
+def fallback_reason(gpu: bool) -> str | None:
     """Why the default engine falls back to python here, where a user would
     expect native (None when native runs, and on macOS, which builds none)."""
     if _native is None and sys.platform == "darwin":
         return None
     try:
-        require()
+        require(gpu)
     except NativeEngineError as e:
         return str(e)
     return None
@@ -124,21 +129,16 @@ def expert_cache(
     layer: ExpertLayer,
     slots: list[mx.array],
     capacity: int,
+    plan: ExecutionPlan,
     *,
     verify: bool,
-    policy: str,
-    decay: float,
-    max_pairs: int,
     tier: object | None = None,
-    record_calls: bool = False,
-    device_resolve: bool = True,
-    readers: int = 8,
-    direct_io: bool = False,
-    mapped: bool = False,
 ) -> object:
     """The native cache of one MoE layer over its evaluated slot arrays (mapped:
-    their dtypes only); record_calls: RuntimeStats.events; the rest: config's."""
-    require()
+    their dtypes only), with the plan's knobs."""
+    t, mapped = plan.tuning, plan.mapped
+    require(plan.gpu)
+    max_pairs = capacity
     if mapped:  # no slots: every expert "resident", any pairs in one call
         capacity = max_pairs = layer.num_experts
     cache = _native.ExpertCache(
@@ -155,14 +155,14 @@ def expert_cache(
         ],
         checksums=[int(c, 16) for c in layer.checksums] if verify else [],
         verify=verify,
-        policy=policy,
-        decay=decay,
+        policy=t.policy,
+        decay=t.lrfu_decay,
         max_pairs=max_pairs,
-        record_calls=record_calls,
+        record_calls=t.record_trace,
     )
     if not mapped:
-        cache.bind(slots, mx.default_device() != mx.cpu)
-    _tune(cache, tier, device_resolve, readers, direct_io, mapped)
+        cache.bind(slots, plan.gpu)
+    _tune(cache, tier, t.device_resolve, t.readers, t.direct_io, mapped)
     return cache
 
 
@@ -174,7 +174,7 @@ def _tune(
     direct_io: bool,
     mapped: bool,
 ) -> None:
-    """Set RuntimeConfig's fields on a new cache, its host tier too. With
+    """Set the plan's knobs on a new cache, its host tier too. With
     direct_io it reads with O_DIRECT from now on: one line naming the blob
     where its filesystem refuses (tmpfs before Linux 6.6). With mapped it maps
     its blob: one line where that is shorter than its records."""
@@ -234,22 +234,6 @@ def tier_filled(tier: object) -> int:
     return _native.tier_filled(tier)
 
 
-def _kernel_runs(config: RuntimeConfig) -> bool:
-    """config.cpu_kernel resolved: None runs the kernel with the native engine
-    where it is exact (the python engine is the reference path: MLX's ops)."""
-    if config.cpu_kernel is False or mx.default_device() != mx.cpu:
-        return False
-    if config.cpu_kernel is None:
-        return config.engine_used == "native" and kernel_matches_mlx()
-    require()
-    if not kernel_matches_mlx():
-        raise NativeEngineError(
-            f"moestream's CPU kernel does not reproduce MLX {mx.__version__}'s "
-            "quantized matmuls bit for bit here; use cpu_kernel=False."
-        )
-    return True
-
-
 @functools.cache
 def kernel_matches_mlx() -> bool:
     """Whether the kernel computes what this MLX computes, bit for bit, on a
@@ -303,42 +287,24 @@ class ExpertKernel:
         return _native.expert_mlp(x, slots, weights, self.specs, self.threads)
 
 
-def expert_kernel(inner: SwitchGLU, config: RuntimeConfig) -> ExpertKernel | None:
-    """The CPU kernel for `inner` where config.cpu_kernel asks for it and it
-    covers `inner` (SwiGLU, affine-quantized projections without biases)."""
+def covers(inner: SwitchGLU) -> bool:
+    """Whether the CPU kernel computes `inner`: SwiGLU, affine-quantized
+    projections without biases."""
     projections = [inner.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not (
-        _kernel_runs(config)
-        and isinstance(inner.activation, SwiGLU)
-        and all(
-            isinstance(p, QuantizedSwitchLinear) and _affine(p) for p in projections
-        )
-    ):
+    return isinstance(inner.activation, SwiGLU) and all(
+        isinstance(p, QuantizedSwitchLinear) and _affine(p) for p in projections
+    )
+
+
+def expert_kernel(inner: SwitchGLU, plan: ExecutionPlan) -> ExpertKernel | None:
+    """The CPU kernel for `inner` where the plan runs it and it covers `inner`."""
+    if not (plan.cpu_kernel and covers(inner)):
         return None
-    return ExpertKernel(inner, config.kernel_threads)
+    return ExpertKernel(inner, plan.tuning.kernel_threads)
 
 
 # How a record stores scales and biases: the extension's ScaleFormat.
 SCALE_FORMATS = {"float32": 0, "bfloat16": 1, "float16": 2}
-
-
-def require_mapped(config: RuntimeConfig, compute: mx.Dtype) -> None:
-    """RuntimeConfig.mapped needs the CPU kernel in float32: one line where
-    it cannot run."""
-    if mx.default_device() != mx.cpu:
-        raise NativeEngineError(
-            "mapped runs on the CPU kernel; on a GPU, leave mapped off."
-        )
-    if compute != mx.float32:
-        raise NativeEngineError(
-            f"mapped computes in float32 (the CPU kernel's), not {compute}; "
-            "use dtype='auto' or 'float32'."
-        )
-    if not _kernel_runs(config):
-        raise NativeEngineError(
-            "mapped needs moestream's CPU kernel, which does not reproduce this "
-            "MLX's quantized matmuls exactly; leave mapped off."
-        )
 
 
 class MappedKernel:
@@ -369,22 +335,17 @@ class MappedKernel:
         )
 
 
-def covers_every_layer(layers: Iterable[SwitchGLU], config: RuntimeConfig) -> bool:
-    """Whether the CPU kernel runs and computes every one of `layers`."""
-    return all(expert_kernel(inner, config) is not None for inner in layers)
-
-
 def mapped_kernel(
-    inner: SwitchGLU, layer: ExpertLayer, cache: object, config: RuntimeConfig
+    inner: SwitchGLU, layer: ExpertLayer, cache: object, plan: ExecutionPlan
 ) -> MappedKernel:
     """The kernel of a mapped layer: one line where the CPU kernel does not
     cover `inner` (another activation, biases, another quantization)."""
-    if expert_kernel(inner, config) is None:
+    if expert_kernel(inner, plan) is None:
         raise NativeEngineError(
             f"Layer {layer.layer}: mapped needs SwiGLU experts with affine "
             "quantization and no biases (the CPU kernel's); leave mapped off."
         )
-    return MappedKernel(layer, cache, config.kernel_threads)
+    return MappedKernel(layer, cache, plan.tuning.kernel_threads)
 
 
 class KernelLinear(nn.QuantizedLinear):
@@ -403,15 +364,15 @@ class KernelLinear(nn.QuantizedLinear):
         return y
 
 
-def use_dense_kernel(model: nn.Module, config: RuntimeConfig) -> int:
+def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
     """Turn the model's affine nn.QuantizedLinear layers into KernelLinear
-    (config.cpu_kernel on a CPU); the number turned."""
-    if not _kernel_runs(config):
+    where the plan runs the CPU kernel; the number turned."""
+    if not plan.cpu_kernel:
         return 0
     n = 0
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear and module.mode == "affine":
             module.__class__ = KernelLinear
-            module._kernel_threads = config.kernel_threads
+            module._kernel_threads = plan.tuning.kernel_threads
             n += 1
     return n

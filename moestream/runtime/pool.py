@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import POLICIES, RuntimeConfig
+from .config import POLICIES, Tuning
 from .stats import RuntimeStats  # noqa: F401  (its old home)
 
 
@@ -32,7 +32,7 @@ class LRFU(Policy):
     """Exponentially decayed use count (LRFU, Lee et al. 1999).
 
     Each use adds 1; every token multiplies all counts by `decay`
-    (RuntimeConfig.lrfu_decay).
+    (Tuning.lrfu_decay).
     """
 
     def __init__(self, num_experts: int, decay: float):
@@ -49,7 +49,7 @@ assert set(CLASSES) == set(POLICIES), "a policy without its class"
 
 
 def make_policy(
-    name: str, num_experts: int, lrfu_decay: float = RuntimeConfig.lrfu_decay
+    name: str, num_experts: int, lrfu_decay: float = Tuning.lrfu_decay
 ) -> Policy:
     if name not in POLICIES:
         raise ValueError(
@@ -66,7 +66,7 @@ class SlotPool:
         capacity: int,
         num_experts: int,
         policy: str = "lru",
-        lrfu_decay: float = RuntimeConfig.lrfu_decay,
+        lrfu_decay: float = Tuning.lrfu_decay,
     ):
         if capacity < 1:
             raise ValueError("A slot pool needs at least one slot.")

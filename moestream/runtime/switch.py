@@ -5,9 +5,9 @@ replaced by persistent slot arrays `[capacity, ...]`. A call maps the routed
 experts to slots, reading the missing ones straight into slot memory, and
 runs mlx-lm's SwitchGLU on the slot indices: same kernels, same activation
 and biases, so the result is bit-identical to the fully resident model (on a
-CPU, the extension's kernel computes the same bits, RuntimeConfig.cpu_kernel).
+CPU, the extension's kernel computes the same bits where the plan runs it).
 The engine behind it (engines.py) maps experts to slots and reads misses.
-With RuntimeConfig.mapped there are no slots: the native engine resolves a
+On the cpu-mapped backend there are no slots: the native engine resolves a
 call to the routed experts' ids and the CPU kernel reads their records in
 place, from the blob mapped into memory (the page cache is the expert cache).
 
@@ -28,8 +28,8 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..formats import ExpertLayer
 from . import native
-from .config import RuntimeConfig
-from .engines import Engine, NativeEngine, Outstanding, PythonEngine, Routing
+from .backend import ExecutionPlan
+from .engines import Engine, Outstanding, Routing, make_engine
 from .stats import RuntimeStats
 from .store import ExpertStore
 
@@ -59,7 +59,7 @@ class StreamingSwitchGLU(nn.Module):
         float_dtype: mx.Dtype,
         stats: RuntimeStats,
         outstanding: Outstanding,
-        config: RuntimeConfig,
+        plan: ExecutionPlan,
         tier: object | None = None,
     ):
         super().__init__()
@@ -70,24 +70,21 @@ class StreamingSwitchGLU(nn.Module):
         self._float_dtype = float_dtype
         self._capacity = min(capacity, layer.num_experts)
         # Whole-call groups send other groups' pairs to a zero slot past the pool.
-        self._whole = config.rows_whole
-        self._spare = self._capacity if config.spare_slot else None
+        self._whole = plan.whole_calls
+        self._spare = self._capacity if plan.whole_calls else None
         self._targets = self._allocate_slots()
         slots = [m[n] for m, n in self._targets]
-        args = (layer, store, slots, self._capacity, stats, outstanding, config)
-        self._engine: Engine = (
-            NativeEngine(*args, tier)
-            if config.engine_used == "native"
-            else PythonEngine(*args)
+        self._engine: Engine = make_engine(
+            plan, layer, store, slots, self._capacity, stats, outstanding, tier
         )
         # The routed experts of a call on their slots: the extension's exact
         # CPU kernel where it covers this layer, else mlx-lm's SwitchGLU.
-        self._experts = native.expert_kernel(inner, config) or inner
-        # RuntimeConfig.mapped: no slots; the kernel reads each routed record
-        # in place (the engine's calls resolve to expert ids).
+        self._experts = native.expert_kernel(inner, plan) or inner
+        # cpu-mapped: no slots; the kernel reads each routed record in place
+        # (the engine's calls resolve to expert ids).
         self._mapped = (
-            native.mapped_kernel(inner, layer, self._engine.cache, config)
-            if config.mapped
+            native.mapped_kernel(inner, layer, self._engine.cache, plan)
+            if plan.mapped
             else None
         )
 

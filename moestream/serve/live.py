@@ -52,9 +52,7 @@ def streaming_layers(model: Any) -> list[StreamingSwitchGLU]:
 def slots_visible(model: Any) -> bool:
     """Whether the host knows the slot tables: not where a GPU kernel resolves
     them (reading the device's table then would race the stream)."""
-    config = runtime_of(model).config
-    on_device = mx.default_device() != mx.cpu and config.engine_used == "native"
-    return not (on_device and config.device_resolve)
+    return not runtime_of(model).execution.device_resolve
 
 
 def layer_view(m: StreamingSwitchGLU, s: Any, visible: bool) -> dict:
@@ -146,6 +144,7 @@ def snapshot(server: Served) -> dict:
         return out
     s = stats(model)
     visible = slots_visible(model)
+    out["backend"] = runtime_of(model).execution.as_dict()
     out["experts"] = s.as_dict()
     out["slots_visible"] = visible
     out["layers"] = [layer_view(m, s, visible) for m in streaming_layers(model)]

@@ -1,0 +1,358 @@
+"""The execution plan: (RuntimeConfig, device, manifest, memory) -> one backend.
+
+`resolve` runs once, at load (and for `moestream plan`): it asks which device
+this is, whether the extension runs here, whether its CPU kernel is exact,
+which memory plan fits, and names one backend of a closed set with its
+parameters. Nothing downstream asks again: the streaming layers, the engines,
+the bench and the server read the plan.
+
+Backends:
+- cpu-slots: the native engine on a CPU; experts copied into resident slots,
+  computed by the exact CPU kernel where it covers the layer.
+- cpu-mapped: the native engine on a CPU; no slots, the CPU kernel computes
+  each routed expert where its record lies in the page cache.
+- cuda-tiered: the native engine on an NVIDIA GPU; slots on the device, a
+  pinned host tier of records between the disk and them.
+- python: the reference path (one host sync per MoE layer), and the fallback
+  where the extension cannot run (macOS builds none).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..formats import Manifest
+from ..units import human_bytes, parse_size
+from . import native
+from .config import RuntimeConfig, Tuning
+from .memory import BudgetError, MemoryPlan, available_memory, plan_memory
+
+log = logging.getLogger(__name__)
+
+CPU_SLOTS, CPU_MAPPED, CUDA_TIERED, PYTHON = (
+    "cpu-slots",
+    "cpu-mapped",
+    "cuda-tiered",
+    "python",
+)
+BACKENDS = (CPU_SLOTS, CPU_MAPPED, CUDA_TIERED, PYTHON)
+# O_DIRECT's alignment of a destination (Tuning.direct_io): 4 KiB covers every
+# Linux block size (csrc's kDirectAlign).
+DIRECT_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Which backend runs, with every default resolved."""
+
+    backend: str
+    gpu: bool
+    compute: str  # the compute dtype's name
+    memory: MemoryPlan
+    cpu_kernel: bool  # routed experts and dense matmuls on the exact CPU kernel
+    prefetch: bool  # the next layer's experts predicted and read ahead
+    whole_calls: bool  # prefill groups run as whole calls (a spare zero slot)
+    fill_tier: bool  # the host tier holds every record: read at load
+    tuning: Tuning
+
+    @property
+    def native(self) -> bool:
+        return self.backend != PYTHON
+
+    @property
+    def mapped(self) -> bool:
+        return self.backend == CPU_MAPPED
+
+    @property
+    def device_resolve(self) -> bool:
+        """A GPU kernel resolves each call's slots (the host cannot read them)."""
+        return self.gpu and self.native and self.tuning.device_resolve
+
+    @property
+    def device(self) -> str:
+        return "gpu" if self.gpu else "cpu"
+
+    def parts(self) -> list[str]:
+        """The plan in words, part by part: the same words everywhere."""
+        m = self.memory
+        words = [self.backend]
+        if self.mapped:
+            words.append("experts mapped (the page cache holds them)")
+        else:
+            words.append(f"{m.capacity}/{m.num_experts} slots per layer")
+        if m.host_records:
+            words.append(f"host tier {m.host_records} records")
+        if self.cpu_kernel:
+            threads = self.tuning.kernel_threads or "all"
+            words.append(f"CPU kernel ({threads} threads)")
+        if self.prefetch:
+            words.append(f"prefetch top-k + {self.tuning.prefetch_extra}")
+        if self.device_resolve:
+            words.append("device-resolved calls")
+        words.append(self.compute)
+        return words
+
+    def describe(self) -> str:
+        return "backend " + ", ".join(self.parts())
+
+    def as_dict(self) -> dict:
+        return {
+            "backend": self.backend,
+            "device": self.device,
+            "compute": self.compute,
+            "cpu_kernel": self.cpu_kernel,
+            "prefetch": self.prefetch,
+            "whole_calls": self.whole_calls,
+            "device_resolve": self.device_resolve,
+            "describe": self.describe(),
+        }
+
+
+def on_gpu() -> bool:
+    """Whether MLX runs on a GPU here: the one place that asks."""
+    return mx.default_device() != mx.cpu
+
+
+def compute_dtype(dtype: str, stored: str, gpu: bool | None = None) -> str:
+    """RuntimeConfig.dtype resolved: float32 on a CPU, the stored one on a GPU."""
+    if dtype != "auto":
+        return dtype
+    return stored if (on_gpu() if gpu is None else gpu) else "float32"
+
+
+def resolve(
+    cfg: RuntimeConfig,
+    manifest: Manifest,
+    model_config: dict,
+    model: nn.Module,
+    switches: Iterable[nn.Module],
+    process: Callable[[], int],
+    dense: int,
+) -> ExecutionPlan:
+    """The one execution plan of `cfg` for this model on this machine;
+    `process()` sizes this process (after the kernel's first-use check)."""
+    gpu, t = on_gpu(), cfg.tuning
+    compute = compute_dtype(cfg.dtype, manifest.dtype, gpu)
+    engine = _engine(t, gpu)
+    _check_python(cfg, engine)
+    kernel = _kernel_runs(t, engine, gpu)
+    whole = gpu if t.whole_calls is None else t.whole_calls
+    args = (manifest, model_config, dense, getattr(mx, compute), process())
+    if cfg.backend == "mapped":
+        _require_mapped(gpu, compute, kernel)
+        memory = _plan_mapped(cfg, whole, *args)
+    else:
+        memory = _plan_slots(cfg, whole, *args)
+        if cfg.backend == "auto" and _mapped_by_default(
+            cfg, memory, engine, gpu, compute, kernel, switches
+        ):
+            log.info(
+                "a slot for every expert does not fit: the experts stay mapped, "
+                "the page cache holds them (--backend slots: slots)"
+            )
+            memory = _plan_mapped(cfg, whole, *args)
+    if engine == "native" and not memory.mapped:
+        memory = _plan_host_tier(memory, manifest, cfg, gpu)
+    name = _name(engine, memory.mapped, gpu)
+    every = sum(layer.num_experts for layer in manifest.layers)
+    fill = memory.host_records >= every > 0
+    prefetch = _prefetches(t, engine, memory, fill, gpu)
+    return ExecutionPlan(name, gpu, compute, memory, kernel, prefetch, whole, fill, t)
+
+
+def _name(engine: str, mapped: bool, gpu: bool) -> str:
+    if engine == "python":
+        return PYTHON
+    if mapped:
+        return CPU_MAPPED
+    return CUDA_TIERED if gpu else CPU_SLOTS
+
+
+def _engine(t: Tuning, gpu: bool) -> str:
+    """Tuning.engine resolved: native wherever it is built and can run here."""
+    if t.engine == "native":
+        native.require(gpu)
+        return "native"
+    if t.engine == "python":
+        return "python"
+    reason = native.fallback_reason(gpu)
+    if native.runs_here(gpu):
+        return "native"
+    if reason:  # a slower engine than expected: never silently
+        log.warning("the python engine runs instead of the native one: %s", reason)
+    return "python"
+
+
+def _check_python(cfg: RuntimeConfig, engine: str) -> None:
+    """What only the native engine has, asked of the python one."""
+    if engine != "python":
+        return
+    t = cfg.tuning
+    clashes = [
+        (t.prefetch, "prefetch (it measured slower with it)"),
+        (cfg.host_budget is not None, "host_budget (the native engine's tier)"),
+        (t.direct_io, "direct_io (it reads through the page cache)"),
+    ]
+    for clash, what in clashes:
+        if clash:
+            raise ValueError(
+                f"The python engine has no {what}; use engine='native' or leave "
+                "it unset."
+            )
+
+
+def _kernel_runs(t: Tuning, engine: str, gpu: bool) -> bool:
+    """Tuning.cpu_kernel resolved: None runs the kernel with the native engine
+    where it is exact (the python engine is the reference path: MLX's ops)."""
+    if t.cpu_kernel is False or gpu:
+        return False
+    if t.cpu_kernel is None:
+        return engine == "native" and native.kernel_matches_mlx()
+    native.require(gpu)
+    if not native.kernel_matches_mlx():
+        raise native.NativeEngineError(
+            f"moestream's CPU kernel does not reproduce MLX {mx.__version__}'s "
+            "quantized matmuls bit for bit here; use cpu_kernel=False."
+        )
+    return True
+
+
+def _require_mapped(gpu: bool, compute: str, kernel: bool) -> None:
+    """The mapped backend needs the CPU kernel in float32: one line where not."""
+    if gpu:
+        raise native.NativeEngineError(
+            "mapped runs on the CPU kernel; on a GPU, use --backend slots."
+        )
+    if compute != "float32":
+        raise native.NativeEngineError(
+            f"mapped computes in float32 (the CPU kernel's), not {compute}; "
+            "use dtype='auto' or 'float32'."
+        )
+    if not kernel:
+        raise native.NativeEngineError(
+            "mapped needs moestream's CPU kernel, which does not reproduce this "
+            "MLX's quantized matmuls exactly; use --backend slots."
+        )
+
+
+def _mapped_by_default(
+    cfg: RuntimeConfig,
+    memory: MemoryPlan,
+    engine: str,
+    gpu: bool,
+    compute: str,
+    kernel: bool,
+    switches: Iterable[nn.Module],
+) -> bool:
+    """backend "auto": mapped where a CPU's default slots cannot hold every
+    expert and the kernel covers every layer (nothing slot-bound was asked)."""
+    return (
+        memory.capacity < memory.num_experts
+        and cfg.memory_budget is None
+        and cfg.cache_experts is None
+        and cfg.host_budget is None
+        and not cfg.tuning.direct_io
+        and engine == "native"
+        and not gpu
+        and compute == "float32"
+        and kernel
+        and all(native.covers(inner) for inner in switches)
+    )
+
+
+def _plan_slots(
+    cfg: RuntimeConfig,
+    whole: bool,
+    manifest: Manifest,
+    model_config: dict,
+    dense: int,
+    compute: mx.Dtype,
+    process: int,
+    budget: int | None = None,
+) -> MemoryPlan:
+    if budget is None and cfg.memory_budget is not None:
+        budget = parse_size(cfg.memory_budget)
+    return plan_memory(
+        manifest,
+        model_config,
+        dense,
+        compute,
+        process,
+        cfg.context,
+        budget,
+        cfg.cache_experts,
+        whole,
+        cfg.concurrency,
+    )
+
+
+def _plan_mapped(cfg: RuntimeConfig, whole: bool, *args: object) -> MemoryPlan:
+    """The mapped backend: no slots; the budget holds the rest."""
+    budget = parse_size(cfg.memory_budget) if cfg.memory_budget is not None else None
+    plan = _plan_slots(replace(cfg, memory_budget=None), whole, *args)  # type: ignore[arg-type]
+    plan = replace(plan, capacity=0, budget=budget, mapped=True)
+    if budget is not None and plan.total > budget:
+        raise BudgetError(
+            f"Dense weights, KV cache and activations need "
+            f"{human_bytes(plan.total, up=True)}, more than the budget "
+            f"{human_bytes(budget)}; give --memory-budget "
+            f"{human_bytes(plan.total, up=True)} or more, or a shorter --context."
+        )
+    return plan
+
+
+def _plan_host_tier(
+    plan: MemoryPlan, manifest: Manifest, cfg: RuntimeConfig, gpu: bool
+) -> MemoryPlan:
+    """The native engine's host tier under `cfg.host_budget`: on a GPU always
+    (the records a call copies to its slots live there; default: every record
+    if that fits in half the memory available now, else that half), on a CPU
+    only when a budget is given (the page cache is its host tier)."""
+    if plan.capacity >= plan.num_experts or (cfg.host_budget is None and not gpu):
+        return plan
+    record = max(layer.record_nbytes for layer in manifest.layers)
+    if cfg.tuning.direct_io:  # each record block-aligned, for O_DIRECT reads
+        record = -(-record // DIRECT_ALIGN) * DIRECT_ALIGN
+    every = sum(layer.num_experts for layer in manifest.layers)
+    if cfg.host_budget is None:
+        budget = min(every * record, available_memory() // 2)
+    else:
+        budget = parse_size(cfg.host_budget)
+    records = min(every, budget // record)
+    if records < plan.capacity:  # one call's misses are read into it at once
+        need = human_bytes(plan.capacity * record, up=True)
+        raise BudgetError(
+            f"Host budget {human_bytes(budget)} holds {records} expert records; "
+            f"one call of {plan.capacity} slots needs {plan.capacity} ({need}): "
+            f"give --host-budget {need} or more."
+        )
+    return replace(
+        plan,
+        host_records=records,
+        host_record=record,
+        host_budget=budget if cfg.host_budget is not None else None,
+        host_pinned=gpu,
+    )
+
+
+def _prefetches(
+    t: Tuning, engine: str, memory: MemoryPlan, fill: bool, gpu: bool
+) -> bool:
+    """Tuning.prefetch resolved. By default none into a tier that holds every
+    record (read at load: nothing is left to read ahead), nor on a GPU whose
+    kernels resolve the tier unless its reads are direct (buffered, reads ahead
+    were lost beyond RAM), nor with direct_io and no tier (kernel readahead
+    into a page cache that direct reads skip)."""
+    if engine != "native":
+        return False
+    if t.prefetch is not None:
+        return t.prefetch
+    tier = memory.host_records > 0
+    on_device = tier and gpu and t.device_resolve and not t.direct_io
+    no_target = t.direct_io and not tier
+    return not (fill or on_device or no_target)
