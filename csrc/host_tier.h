@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "readers.h"
+
 namespace moestream {
 
 class ExpertCache;
@@ -90,16 +92,6 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
 
   friend struct GpuAccess; // cuda_fetch.cu: the table's device copy
 };
-
-// The reader threads every tier shares, `threads` at least from now on.
-void submit_read(std::function<void()> task, bool front, int threads);
-// Run the routed read at the front of the queue, if there is one, here.
-bool run_routed_read();
-// body(0) .. body(n - 1) on the reader threads (at least `threads`) and this
-// one, each index once; returns when all have run, rethrowing the error of the
-// lowest index that failed. Safe on a reader thread: this thread takes every
-// index no reader has taken, so it never waits on queued work.
-void parallel_reads(int n, int threads, const std::function<void(int)>& body);
 
 // Host memory for the tier: pinned and mapped on a GPU, else aligned.
 uint8_t* host_alloc(size_t bytes, bool pinned);
