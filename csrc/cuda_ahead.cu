@@ -10,7 +10,7 @@ namespace moestream {
 
 // Until the service has submitted every read ahead the kernels posted and
 // each has finished (the stream has run: no kernel posts more).
-void GpuAccess::wait_ahead_reads(TierGpu& tg) {
+void wait_ahead_reads(TierGpu& tg) {
   if (!tg.ring) {
     return;
   }
@@ -25,7 +25,7 @@ void GpuAccess::wait_ahead_reads(TierGpu& tg) {
 // The reads ahead kernels posted since the last look, queued behind the
 // routed reads on the tier's readers; each tells the device when it is
 // done through the slot's pinned state word (0 read, 2 failed).
-void GpuAccess::submit_ahead(TierGpu& tg) {
+void submit_ahead(TierGpu& tg) {
   int64_t head = std::atomic_ref<int64_t>(tg.ring->head).load(
       std::memory_order_acquire);
   int64_t taken = tg.ring_taken.load();
@@ -51,7 +51,7 @@ void GpuAccess::submit_ahead(TierGpu& tg) {
       }
       std::atomic_ref<int>(*state).store(result);
       gpu->ahead_pending -= 1;
-    }, false, tier->readers_);
+    }, false, tier->readers());
   }
   tg.ring_taken.store(taken);
 }

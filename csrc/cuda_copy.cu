@@ -1,6 +1,6 @@
 // The copy kernels of a call: routed ids out to pinned host memory (the host
 // function path), and a call's records from the host tier into their slots.
-#include "cuda_tables.cuh"
+#include "cuda_shared.cuh"
 
 namespace moestream {
 

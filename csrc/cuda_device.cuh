@@ -2,7 +2,7 @@
 // block-wide choice of the slot that goes first (slot_policy.h's order).
 #pragma once
 
-#include "cuda_tables.cuh"
+#include "cuda_shared.cuh"
 #include "slot_policy.h"
 
 namespace moestream {

@@ -25,7 +25,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "cuda_state.cuh"
+#include "cuda_tables.cuh"
 #include "expert_fetch.h"
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
@@ -111,15 +111,18 @@ GpuState& gpu_state(ExpertCache& c) {
 
 } // namespace
 
-void GpuAccess::encode(ExpertCache& c, GpuState& g, cu::CommandEncoder& enc,
-                   const mx::array& inds, mx::array& out, int64_t call,
-                   const uint32_t* pred, int npred) {
+namespace {
+
+// One call resolved by the kernel: its arguments, then its node.
+void encode_on_device(ExpertCache& c, GpuState& g, cu::CommandEncoder& enc,
+                      const mx::array& inds, mx::array& out, int64_t call,
+                      const uint32_t* pred, int npred) {
   TierGpu& tg = *c.tier()->gpu;
   if (!tg.device_owned) {
-    push_tier(tg); // a host-side load changed it, or the first call
+    GpuAccess::push_tier(tg); // a host-side load changed it, or the first call
   }
   if (!c.device_owned) {
-    push(c, g); // the host changed it (a load) since the device last did
+    GpuAccess::push(c, g); // the host changed it (a load) since the device last did
   }
   int64_t n = inds.size();
   c.counters.calls += 1;
@@ -135,21 +138,21 @@ void GpuAccess::encode(ExpertCache& c, GpuState& g, cu::CommandEncoder& enc,
   a.box = tg.box;
   a.num_experts = c.num_experts;
   a.capacity = c.capacity;
-  a.lru = int(c.table_.policy.lru);
+  a.lru = int(c.policy().lru);
   a.max_stage = g.max_stage;
-  a.decay = c.table_.policy.decay;
+  a.decay = c.policy().decay;
   a.record_bytes = c.record_nbytes;
   a.out = mlx::core::gpu_ptr<uint32_t>(out);
   a.report = g.report;
   a.tier_report = tg.report;
-  a.record = c.log.recording() && call >= 0 ? record(g, call) : nullptr;
+  a.record = c.log.recording() && call >= 0 ? GpuAccess::record(g, call) : nullptr;
   if (ExpertCache* next = c.next().get(); next && pred) {
     GpuState& gn = gpu_state(*next); // its table, read ahead for here
-    if (!device_mode(*next, gn)) {
+    if (!GpuAccess::device_mode(*next, gn)) {
       throw std::runtime_error("a chained layer does not resolve on the device");
     }
     if (!next->device_owned) {
-      push(*next, gn);
+      GpuAccess::push(*next, gn);
     }
     a.pred = pred;
     a.npred = npred;
@@ -171,6 +174,8 @@ void GpuAccess::encode(ExpertCache& c, GpuState& g, cu::CommandEncoder& enc,
   enc.add_kernel_node_ex(resolve_kernel(), dim3(1), dim3(threads),
                          dim3(), smem, a);
 }
+
+} // namespace
 
 void gpu_sync_host(ExpertCache& c) {
   bool layer = c.gpu && c.device_owned;
@@ -245,7 +250,7 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
                            new CallArgs{&c, n, tokens, npred, call}),
         "cudaLaunchHostFunc");
   } else {
-    GpuAccess::encode(c, g, enc, inds, out, call, pred, npred);
+    encode_on_device(c, g, enc, inds, out, call, pred, npred);
   }
   enc.set_input_array(out);
   enc.set_output_array(out);

@@ -80,7 +80,7 @@ TierGpu::~TierGpu() {
 
 // The records a kernel posted, read on the tier's reader threads (this
 // thread reads too), then `done` raised: the kernel goes on.
-void GpuAccess::serve(TierGpu& tg, int64_t seq) {
+void serve(TierGpu& tg, int64_t seq) {
   Mailbox* b = tg.box;
   HostTier* h = tg.tier;
   ExpertCache* cache = b->cache;
@@ -109,7 +109,7 @@ void GpuAccess::serve(TierGpu& tg, int64_t seq) {
       if (--left->n == 0) {
         left->done.notify_all();
       }
-    }, true, h->readers_);
+    }, true, h->readers());
   }
   while (run_routed_read()) {
   }
@@ -138,7 +138,7 @@ void service_loop_body(Service& sv) {
       return;
     }
     for (auto* tg : sv.tiers) {
-      GpuAccess::submit_ahead(*tg);
+      submit_ahead(*tg);
     }
     for (auto* tg : sv.tiers) {
       seq = std::atomic_ref<int64_t>(tg->box->posted).load(
@@ -154,7 +154,7 @@ void service_loop_body(Service& sv) {
     }
   }
   if (found) { // its call is in flight: the tier and cache are alive
-    GpuAccess::serve(*found, seq);
+    serve(*found, seq);
     sv.busy_until = now_ns() + 1000000000;
   } else {
     std::this_thread::yield();

@@ -1,6 +1,5 @@
 // The CUDA side's host state: per layer (GpuState) and per host tier
-// (TierGpu), and GpuAccess, which copies the host's tables to the device and
-// back and serves the reads the device asks for.
+// (TierGpu), and the service thread that reads what the device asks for.
 #pragma once
 
 #include <atomic>
@@ -9,12 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "cuda_tables.cuh"
+#include "cuda_shared.cuh"
 #include "expert_cache.h"
-
-namespace mlx::core::cu {
-class CommandEncoder;
-} // namespace mlx::core::cu
 
 namespace moestream {
 
@@ -79,54 +74,16 @@ void service_busy();
 void service_register(TierGpu* tg);
 void service_unregister(TierGpu* tg);
 
-// Friend of ExpertCache, SlotTable and HostTier. cuda_tables.cu: the tables'
-// device copies and counts; cuda_service.cu: the mailbox; cuda_ahead.cu: the
-// read-ahead ring; cuda_fetch.cu: a call encoded.
-struct GpuAccess {
-  // Whether this layer's calls resolve on the device, decided at its first
-  // call for good, as the cache asks (the tier's first such decision holds
-  // for all its layers).
-  static bool device_mode(ExpertCache& c, GpuState& g);
-  static void allocate(ExpertCache& c, GpuState& g);
-  static void allocate_tier(TierGpu& tg);
-  // The host's table to the device (the device's copy is not in use).
-  static void push(ExpertCache& c, GpuState& g);
-  static void up(void* dst, const void* src, size_t n);
-  static void down(void* dst, const void* src, size_t n);
-  // The device's table to the host, once every call on it has run.
-  static void pull(ExpertCache& c, GpuState& g);
-  // The tier's table to the device, once no read is in flight. A record
-  // whose read failed leaves the tier (as its next request would have it).
-  static void push_tier(TierGpu& tg);
-  // The device's tier table to the host, once every call on it has run.
-  static void pull_tier(TierGpu& tg);
-  // Counts and records of the calls that have run, and the error flag.
-  static void collect(ExpertCache& c, GpuState& g);
-  // The tier's counts of the calls that have run.
-  static void collect_tier(TierGpu& tg);
-  // A pinned record for the call being encoded, marked not run.
-  static DevRecord* record(GpuState& g, int64_t call);
-  // Until the service has submitted every read ahead the kernels posted and
-  // each has finished (the stream has run: no kernel posts more).
-  static void wait_ahead_reads(TierGpu& tg);
-  // The reads ahead kernels posted since the last look, queued behind the
-  // routed reads on the tier's readers; each tells the device when it is
-  // done through the slot's pinned state word (0 read, 2 failed).
-  static void submit_ahead(TierGpu& tg);
-  // The records a kernel posted, read on the tier's reader threads (this
-  // thread reads too), then `done` raised: the kernel goes on.
-  static void serve(TierGpu& tg, int64_t seq);
-  // One call resolved by the kernel: its arguments, then the node.
-  static void encode(ExpertCache& c, GpuState& g,
-                     mlx::core::cu::CommandEncoder& enc,
-                     const mlx::core::array& inds, mlx::core::array& out,
-                     int64_t call, const uint32_t* pred, int npred);
-  template <typename T>
-  static T* take(uint8_t*& p, size_t n) {
-    auto* q = p;
-    p += (n * sizeof(T) + 7) / 8 * 8;
-    return reinterpret_cast<T*>(q);
-  }
-};
+// The read-ahead ring (cuda_ahead.cu) and the mailbox (cuda_service.cu).
+// Until the service has submitted every read ahead the kernels posted and
+// each has finished (the stream has run: no kernel posts more).
+void wait_ahead_reads(TierGpu& tg);
+// The reads ahead kernels posted since the last look, queued behind the
+// routed reads on the tier's readers; each tells the device when it is
+// done through the slot's pinned state word (0 read, 2 failed).
+void submit_ahead(TierGpu& tg);
+// The records a kernel posted, read on the tier's reader threads (this
+// thread reads too), then `done` raised: the kernel goes on.
+void serve(TierGpu& tg, int64_t seq);
 
 } // namespace moestream

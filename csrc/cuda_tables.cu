@@ -2,7 +2,7 @@
 // pulled, and the device's counts and records folded into the host's.
 #include <algorithm>
 
-#include "cuda_state.cuh"
+#include "cuda_tables.cuh"
 
 namespace moestream {
 

@@ -127,6 +127,9 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // The device's copy of the table is the current one (a kernel resolved
   // since the host last did): the host's is stale until gpu_sync_host.
   bool device_owned{false};
+  const PolicyConfig& policy() const {
+    return table_.policy;
+  }
 
  private:
   // The distinct experts of a call, in first-routed order, each marked in

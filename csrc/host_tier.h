@@ -20,7 +20,7 @@
 namespace moestream {
 
 class ExpertCache;
-struct TierGpu; // CUDA side: the tier's table on the device (cuda_fetch.cu)
+struct TierGpu; // CUDA side: the tier's table on the device (cuda_state.cuh)
 
 struct TierCounters {
   // hits: routed records found read; late: found still being read ahead;
@@ -62,13 +62,17 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   std::vector<int64_t> keys();
   // Records held or being read (the page's tier fill, moestream/web).
   int64_t filled();
+  // Reader threads its reads run on, at least.
+  int readers() const {
+    return readers_;
+  }
 
   const int64_t capacity, record_bytes;
   const bool pinned;
   uint8_t* data{nullptr};
   TierCounters counters;
   // On a GPU whose kernels resolve the tier's records: its table there,
-  // current when `gpu->device_owned` (cuda_fetch.cu); else null.
+  // current when `gpu->device_owned` (cuda_tables.cu); else null.
   std::shared_ptr<TierGpu> gpu;
 
  private:
@@ -90,7 +94,7 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   int64_t clock_{0}, loading_{0};
   int readers_;
 
-  friend struct GpuAccess; // cuda_fetch.cu: the table's device copy
+  friend struct GpuAccess; // cuda_tables.cu: the table's device copy
 };
 
 // Host memory for the tier: pinned and mapped on a GPU, else aligned.
