@@ -8,7 +8,7 @@ LINTED := moestream tests examples scripts
 
 .PHONY: install test test-all test-ui demo bench lint format clean
 
-NATIVE := setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc/CMakeLists.txt)
+NATIVE := setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc/*.cuh csrc/*.h csrc/CMakeLists.txt)
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 
 # The native engine is compiled against the venv's own MLX (no build isolation).

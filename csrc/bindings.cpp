@@ -8,12 +8,14 @@
 
 #include "cpu_experts.h"
 #include "expert_cache.h"
+#include "expert_fetch.h"
 #include "mlx/version.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 using moestream::ExpertCache;
 using moestream::HostTier;
+using moestream::SlotTable;
 
 namespace {
 // Python's class for read errors (moestream.runtime.store.ExpertReadError).
@@ -56,7 +58,7 @@ NB_MODULE(_native, m) {
         }
         std::string out(seg.nbytes / moestream::cast_src_size(seg.cast) *
                             moestream::cast_dst_size(seg.cast), '\0');
-        ExpertCache::cast_host(reinterpret_cast<const uint8_t*>(data.c_str()),
+        moestream::SlotArrays::cast_host(reinterpret_cast<const uint8_t*>(data.c_str()),
                                seg, reinterpret_cast<uint8_t*>(out.data()));
         return nb::bytes(out.data(), out.size());
       },
@@ -113,14 +115,14 @@ NB_MODULE(_native, m) {
              std::vector<uint32_t> checksums, bool verify,
              const std::string& policy, double decay, int max_pairs,
              bool record_calls) {
-            std::vector<moestream::Segment> segs;
+            moestream::CacheConfig config{
+                {path, layer, data_offset, stride, record_nbytes, num_experts},
+                capacity, {}, std::move(checksums), verify,
+                {policy == "lru", decay}, max_pairs, record_calls};
             for (auto& [offset, nbytes, cast] : segments) {
-              segs.push_back({offset, nbytes, moestream::Cast(cast)});
+              config.segments.push_back({offset, nbytes, moestream::Cast(cast)});
             }
-            return std::make_shared<ExpertCache>(
-                path, layer, data_offset, stride, record_nbytes, num_experts,
-                capacity, std::move(segs), std::move(checksums), verify,
-                policy == "lru", decay, max_pairs, record_calls);
+            return std::make_shared<ExpertCache>(std::move(config));
           }),
           "path"_a, "layer"_a, "data_offset"_a, "stride"_a, "record_nbytes"_a,
           "num_experts"_a, "capacity"_a, "segments"_a, "checksums"_a,
@@ -149,33 +151,51 @@ NB_MODULE(_native, m) {
           "(call, hits, misses, bytes_read, prefetched) of each call resolved "
           "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
-      .def("open_direct", &ExpertCache::open_direct,
+      .def("open_direct", [](ExpertCache& c) { c.reader().open_direct(); },
            "Read records with O_DIRECT from now on (RuntimeConfig.direct_io); "
            "ValueError where the blob's filesystem refuses direct reads.")
-      .def_prop_ro("direct", &ExpertCache::direct)
+      .def_prop_ro("direct",
+                   [](ExpertCache& c) { return c.reader().direct() != nullptr; })
       .def("map_blob", &ExpertCache::map_blob,
            "Map the blob read-only (RuntimeConfig.mapped): calls resolve to "
            "expert ids, read in place by expert_mlp_mapped; ValueError when "
            "the file is shorter than its records.")
       .def_prop_ro("mapped", &ExpertCache::mapped)
-      .def("unmap_pages", &ExpertCache::unmap_pages,
+      .def("unmap_pages",
+           [](ExpertCache& c) {
+             if (c.mapped()) {
+               c.reader().mapped()->unmap_pages();
+             }
+           },
            "Take a mapped blob's pages out of this process's page tables (the "
            "page cache keeps them until dropped).")
       .def_prop_ro(
           "unaligned_reads",
-          [](ExpertCache& c) { return c.unaligned_reads.load(); },
+          [](ExpertCache& c) {
+            auto* direct = c.reader().direct();
+            return direct ? direct->unaligned_reads.load() : int64_t(0);
+          },
           "Ranges read through the page cache although direct, their "
           "destination not block-aligned.")
-      .def_rw("readers", &ExpertCache::readers,
-              "Reader threads one record's read is split over (in pieces).")
+      .def_prop_rw(
+          "readers", [](ExpertCache& c) { return c.reader().readers; },
+          [](ExpertCache& c, int n) { c.reader().readers = n; },
+          "Reader threads one record's read is split over (in pieces).")
+      .def(
+          "inject_read_failures",
+          [](ExpertCache& c, int expert, int count) {
+            c.reader().inject_failures(expert, count);
+          },
+          "expert"_a, "count"_a,
+          "Tests: the next `count` reads of `expert`'s record fail as an I/O "
+          "error would; a read is tried twice before its call fails.")
       .def_rw("device_resolve", &ExpertCache::device_resolve,
               "On a GPU, unless a layer reads ahead into the host tier: slots "
               "and tier records resolved by a kernel, else by a host function "
               "of the stream.")
       .def("take_error", [](ExpertCache& c) {
         moestream::gpu_collect(c);
-        std::lock_guard<std::mutex> lock(c.error_mutex);
-        return std::exchange(c.error, std::string());
+        return c.log.take_error();
       })
       .def(
           "take_counters",
@@ -188,7 +208,8 @@ NB_MODULE(_native, m) {
             d["misses"] = misses;
             d["fill_bytes"] = misses * c.record_nbytes; // one record a miss
             d["evictions"] = k.evictions.exchange(0);
-            d["bytes_read"] = k.bytes_read.exchange(0);
+            d["bytes_read"] = k.bytes_read.exchange(0) +
+                c.reader().bytes_read.exchange(0);
             d["native_calls"] = k.calls.exchange(0);
             d["device_calls"] = k.device_calls.exchange(0);
             d["prefetched"] = k.prefetched.exchange(0);
@@ -198,6 +219,23 @@ NB_MODULE(_native, m) {
             return d;
           },
           "The counters since the last call (they restart at zero).");
+
+  // The eviction policy alone, as the engine runs it (tests hold it to
+  // runtime/pool.py's SlotPool).
+  nb::class_<SlotTable>(m, "SlotPolicy")
+      .def(
+          "__init__",
+          [](SlotTable* t, int num_experts, int capacity,
+             const std::string& policy, double decay) {
+            if (policy != "lru" && policy != "lrfu") {
+              throw std::invalid_argument("policy must be 'lru' or 'lrfu'");
+            }
+            new (t) SlotTable(num_experts, capacity, {policy == "lru", decay});
+          },
+          "num_experts"_a, "capacity"_a, "policy"_a, "decay"_a = 0.0)
+      .def("access", &SlotTable::access, "experts"_a, "tokens"_a = 1,
+           "One call routing `experts`: the experts it evicts, in order.")
+      .def("table", &SlotTable::table);
 
   m.def(
       "fetch",

@@ -2,7 +2,7 @@
 // MLX's astype (its CPU kernels) converts them: round to nearest even,
 // subnormals and infinities kept, every NaN made MLX's (float16: the sign and
 // 0x7D00; bfloat16: 0x7FC0; float16 to float32: the payload, made quiet).
-// Integer arithmetic only, so host and device (cuda_fetch.cu) agree exactly.
+// Integer arithmetic only, so host and device (cuda_copy.cu) agree exactly.
 #pragma once
 
 #include <cstdint>

@@ -15,10 +15,12 @@
 #include <thread>
 #include <vector>
 
+#include "readers.h"
+
 namespace moestream {
 
 class ExpertCache;
-struct TierGpu; // CUDA side: the tier's table on the device (cuda_fetch.cu)
+struct TierGpu; // CUDA side: the tier's table on the device (cuda_state.cuh)
 
 struct TierCounters {
   // hits: routed records found read; late: found still being read ahead;
@@ -60,13 +62,17 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   std::vector<int64_t> keys();
   // Records held or being read (the page's tier fill, moestream/web).
   int64_t filled();
+  // Reader threads its reads run on, at least.
+  int readers() const {
+    return readers_;
+  }
 
   const int64_t capacity, record_bytes;
   const bool pinned;
   uint8_t* data{nullptr};
   TierCounters counters;
   // On a GPU whose kernels resolve the tier's records: its table there,
-  // current when `gpu->device_owned` (cuda_fetch.cu); else null.
+  // current when `gpu->device_owned` (cuda_tables.cu); else null.
   std::shared_ptr<TierGpu> gpu;
 
  private:
@@ -88,18 +94,8 @@ class HostTier : public std::enable_shared_from_this<HostTier> {
   int64_t clock_{0}, loading_{0};
   int readers_;
 
-  friend struct GpuAccess; // cuda_fetch.cu: the table's device copy
+  friend struct GpuAccess; // cuda_tables.cu: the table's device copy
 };
-
-// The reader threads every tier shares, `threads` at least from now on.
-void submit_read(std::function<void()> task, bool front, int threads);
-// Run the routed read at the front of the queue, if there is one, here.
-bool run_routed_read();
-// body(0) .. body(n - 1) on the reader threads (at least `threads`) and this
-// one, each index once; returns when all have run, rethrowing the error of the
-// lowest index that failed. Safe on a reader thread: this thread takes every
-// index no reader has taken, so it never waits on queued work.
-void parallel_reads(int n, int threads, const std::function<void(int)>& body);
 
 // Host memory for the tier: pinned and mapped on a GPU, else aligned.
 uint8_t* host_alloc(size_t bytes, bool pinned);

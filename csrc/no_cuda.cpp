@@ -1,7 +1,7 @@
 // Builds without CUDA: the GPU entry points say so.
 #include <stdexcept>
 
-#include "expert_cache.h"
+#include "expert_fetch.h"
 
 namespace moestream {
 

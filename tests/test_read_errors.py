@@ -98,7 +98,7 @@ def test_io_error_under_running_process(copy, reference, monkeypatch) -> None:
 
     def failing(fd, buffers, offset):
         calls.append(offset)
-        if len(calls) == 3:  # a few reads succeed, then the disk fails once
+        if len(calls) in (3, 4):  # a few reads succeed, then a read and its retry
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, buffers, offset)
 
@@ -110,6 +110,65 @@ def test_io_error_under_running_process(copy, reference, monkeypatch) -> None:
             forward(model, p)
     monkeypatch.undo()
     assert_exact(model, reference)
+
+
+def test_one_failed_read_heals_two_fail_the_call(copy, reference, monkeypatch):
+    """The python engine's retry: a disk error on one read only is read again."""
+    model, _ = moestream.load(copy, cache_experts=2, engine="python")
+    forward(model, PROMPTS[0])
+    real, calls = os.preadv, []
+
+    def failing(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    assert_exact(model, reference)
+    assert len(calls) > 3 and calls[2] == calls[3]  # the same record, again
+
+
+def inject(model, engine: str, count: int) -> int:
+    """The fault-injection hook: the next `count` reads of each record of the
+    second MoE layer fail as an I/O error would; returns the layer's id."""
+    rt = moestream.runtime_of(model)
+    layer = rt.manifest.layers[1]
+    for expert in range(layer.num_experts):
+        if engine == "python":
+            rt.store.inject_read_failures(layer.layer, expert, count)
+        else:
+            rt.stats.native_layers[layer.layer].inject_read_failures(expert, count)
+    return layer.layer
+
+
+@pytest.mark.parametrize("how", ENGINES + ["mapped"] * native.available())
+def test_injected_failures_heal_once_then_fail(copy, reference, how: str) -> None:
+    """A record whose read fails once is read again and the call goes on; one
+    that fails twice fails the call with the read's words; the engine is
+    exact again once reads succeed. Fresh loads: a mapped record is read
+    (checked) the first time it is routed."""
+    options = {"engine": "native" if how != "python" else "python"}
+    if how == "tier":
+        record = max(layer.record_nbytes for layer in load_manifest(copy).layers)
+        options.update(host_budget=TIER_RECORDS * record, prefetch=False)
+    options.update({"mapped": True} if how == "mapped" else {"cache_experts": 2})
+    model, _ = moestream.load(copy, **options)
+    inject(model, how, 1)
+    assert_exact(model, reference)
+    model, _ = moestream.load(copy, **options)
+    layer = inject(model, how, 2)
+    with pytest.raises(ExpertReadError, match=rf"read expert \d+ of layer {layer} "):
+        for p in PROMPTS:
+            forward(model, p)
+    inject(model, how, 0)
+    assert_exact(model, reference)
+    rt = moestream.runtime_of(model)
+    with pytest.raises(ValueError):
+        if how == "python":
+            rt.store.inject_read_failures(layer, 10**6, 1)
+        else:
+            rt.stats.native_layers[layer].inject_read_failures(10**6, 1)
 
 
 def test_corrupt_record_fails_every_time_then_recovers(copy, reference, engine) -> None:

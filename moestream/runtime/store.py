@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import zlib
 from pathlib import Path
 
@@ -31,6 +33,7 @@ class ExpertStore:
         size = max((layer.record_nbytes for layer in manifest.layers), default=0)
         self.staging = memoryview(bytearray(size))
         self._verified: dict[int, np.ndarray] = {}
+        self._injected: dict[tuple[int, int], int] = {}  # inject_read_failures
         try:
             for layer in manifest.layers:
                 path = inside(Path(directory), layer.file)
@@ -41,9 +44,31 @@ class ExpertStore:
             raise
 
     def readv(self, layer: int, expert: int, buffers: list[memoryview]) -> None:
-        """Read one record into `buffers` (covering it exactly); verify once."""
+        """Read one record into `buffers` (covering it exactly); verify once.
+
+        A record that fails its read or its checksum is read once more (a
+        transient error heals); a second failure raises ExpertReadError, as
+        the native engine does (csrc/record_reader.h).
+        """
+        try:
+            self._read_once(layer, expert, buffers)
+        except ExpertReadError:
+            self._read_once(layer, expert, buffers)
+
+    def inject_read_failures(self, layer: int, expert: int, count: int) -> None:
+        """Tests: the next `count` reads of the record fail as an I/O error
+        would (each read, or its retry, takes one); the native engine's
+        `ExpertCache.inject_read_failures(expert, count)` is its twin."""
+        if expert not in range(len(self._verified[layer])) or count < 0:
+            raise ValueError(f"No expert {expert} in layer {layer}, or count < 0.")
+        self._injected[(layer, expert)] = count
+
+    def _read_once(self, layer: int, expert: int, buffers: list[memoryview]) -> None:
         reader = self.readers[layer]
         try:
+            if self._injected.get((layer, expert), 0) > 0:
+                self._injected[(layer, expert)] -= 1
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
             reader.readv(expert, buffers)
         except (OSError, ValueError) as e:
             raise ExpertReadError(

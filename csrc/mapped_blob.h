@@ -1,0 +1,50 @@
+// RuntimeConfig.mapped: the blob mapped read-only, records used where the page
+// cache holds them; mincore tells which are there, MADV_POPULATE_READ reads.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "record_source.h"
+
+namespace moestream {
+
+class MappedBlob : public RecordSource {
+ public:
+  // Maps `fd` (the blob of `blob`, kept open by its owner); throws one line
+  // when the file is shorter than its records.
+  MappedBlob(const BlobLayout& blob, int fd);
+  ~MappedBlob() override;
+  MappedBlob(const MappedBlob&) = delete;
+  MappedBlob& operator=(const MappedBlob&) = delete;
+
+  const uint8_t* record(int expert) const {
+    return map_ + blob_.offset(expert);
+  }
+  // A copy of mapped bytes (the engine reads records in place instead).
+  void read_range(int expert, uint8_t* dst, int64_t begin,
+                  int64_t end) override;
+  // POSIX_FADV_WILLNEED, unless every page is in the page cache already.
+  bool hint(int expert) override;
+  // Bytes of the record's pages that are not in the page cache.
+  int64_t absent_bytes(int expert) const;
+  // Ask the kernel to read the record's pages now (MADV_WILLNEED).
+  void will_need(int expert) const;
+  // Map in the pages of [at, at + n) of `expert`'s record, reading those
+  // absent from the page cache; a failed read throws a ReadError.
+  void populate(int expert, const uint8_t* at, int64_t n) const;
+  // Take the pages out of this process's page tables (the page cache keeps
+  // them, until dropped: a cold benchmark's start).
+  void unmap_pages() const;
+
+ private:
+  // The whole pages of the mapping that hold a record.
+  std::pair<uint8_t*, int64_t> record_pages(int expert) const;
+
+  const BlobLayout blob_;
+  const int fd_;
+  uint8_t* map_{nullptr};
+  int64_t map_len_{0};
+};
+
+} // namespace moestream

@@ -1,0 +1,123 @@
+#include "record_reader.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <mutex>
+#include <new>
+
+#include "crc32.h"
+#include "read_error.h"
+#include "readers.h"
+
+namespace moestream {
+
+RecordReader::RecordReader(const BlobLayout& blob,
+                           std::vector<uint32_t> checksums, bool verify)
+    : blob(blob),
+      check(blob, std::move(checksums), verify),
+      buffered_(blob),
+      injected_(blob.num_experts) {}
+
+RecordSource& RecordReader::source() {
+  if (mapped_) {
+    return *mapped_;
+  }
+  if (direct_) {
+    return *direct_;
+  }
+  return buffered_;
+}
+
+void RecordReader::open_direct() {
+  if (!direct_) {
+    direct_ = std::make_unique<DirectSource>(blob, buffered_);
+  }
+}
+
+void RecordReader::map() {
+  if (!mapped_) {
+    mapped_ = std::make_unique<MappedBlob>(blob, buffered_.fd());
+  }
+}
+
+void RecordReader::inject_failures(int expert, int count) {
+  if (expert < 0 || expert >= blob.num_experts || count < 0) {
+    throw std::invalid_argument("no such expert, or a negative count");
+  }
+  injected_[expert] = count;
+}
+
+bool RecordReader::injected(int expert) {
+  auto& left = injected_[expert];
+  int n = left.load();
+  while (n > 0 && !left.compare_exchange_weak(n, n - 1)) {
+  }
+  return n > 0;
+}
+
+void injected_failure(const BlobLayout& blob, int expert) {
+  errno = EIO;
+  read_failed(blob, expert, false);
+}
+
+int64_t RecordReader::piece_bytes() const {
+  int64_t piece = std::max<int64_t>(
+      kMinPiece, (blob.record_nbytes + readers - 1) / std::max(readers, 1));
+  return (piece + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
+}
+
+void RecordReader::read(int expert, uint8_t* dst) {
+  try {
+    attempt(expert, dst);
+  } catch (const ReadError&) {
+    attempt(expert, dst); // once more: a transient error heals
+  }
+  bytes_read += blob.record_nbytes;
+}
+
+void RecordReader::attempt(int expert, uint8_t* dst) {
+  if (injected(expert)) {
+    injected_failure(blob, expert);
+  }
+  bool checked = check.needed(expert);
+  // One record in pieces on the reader threads: a miss waits for the slowest
+  // piece, not the whole record (and the disk sees several reads in flight).
+  int64_t piece = piece_bytes(), n = blob.record_nbytes;
+  int pieces = int((n + piece - 1) / piece);
+  auto length = [&](int i) { return std::min(piece, n - i * piece); };
+  std::vector<uint32_t> crcs(pieces, 0);
+  RecordSource& from = source();
+  parallel_reads(pieces, readers, [&](int i) {
+    from.read_range(expert, dst, i * piece, i * piece + length(i));
+    if (checked) {
+      crcs[i] = crc32(dst + i * piece, length(i));
+    }
+  });
+  if (checked) {
+    check.pieces(expert, crcs.data(), piece);
+  }
+}
+
+void RecordReader::staged(int expert,
+                          const std::function<void(const uint8_t*)>& use) {
+  // Block-aligned, so a direct read lands in it.
+  static std::mutex mutex;
+  static std::unique_ptr<uint8_t, decltype(&std::free)> record(nullptr,
+                                                               &std::free);
+  static int64_t size = 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (size < blob.record_nbytes) {
+    int64_t bytes = (blob.record_nbytes + kBlockAlign - 1) / kBlockAlign *
+        kBlockAlign;
+    record.reset(static_cast<uint8_t*>(std::aligned_alloc(kBlockAlign, bytes)));
+    size = record ? bytes : 0;
+    if (!record) {
+      throw std::bad_alloc();
+    }
+  }
+  read(expert, record.get());
+  use(record.get());
+}
+
+} // namespace moestream

@@ -1,0 +1,71 @@
+// Reads whole expert records for one layer: from its record source, in pieces
+// over the reader threads, checked once; a failed read is tried once more.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "direct_source.h"
+#include "mapped_blob.h"
+#include "record_check.h"
+#include "record_source.h"
+
+namespace moestream {
+
+class RecordReader {
+ public:
+  RecordReader(const BlobLayout& blob, std::vector<uint32_t> checksums,
+               bool verify);
+
+  // The record into `dst` (record_nbytes), checked the first time. A record
+  // that fails its read or its checksum is read once more (a transient error
+  // heals); a second failure throws its ReadError.
+  void read(int expert, uint8_t* dst);
+  // Read `expert` into one host staging record shared by every layer (reads
+  // run one at a time: the stream's, or the host's after a synchronize),
+  // then hand it to `use`.
+  void staged(int expert, const std::function<void(const uint8_t*)>& use);
+  static constexpr int64_t kMinPiece = 256 << 10, kPieceAlign = 64 << 10;
+  // The pieces one record is read in: over `readers`, at least kMinPiece.
+  int64_t piece_bytes() const;
+
+  // RuntimeConfig.direct_io: read through O_DIRECT from now on (once).
+  void open_direct();
+  // RuntimeConfig.mapped: map the blob (once).
+  void map();
+  const DirectSource* direct() const {
+    return direct_.get();
+  }
+  const MappedBlob* mapped() const {
+    return mapped_.get();
+  }
+  // The source reads and hints go to: mapped, direct, else buffered.
+  RecordSource& source();
+
+  // The test hook of fault injection: the next `count` reads of `expert`'s
+  // record fail as an I/O error would (each read, or its retry, takes one).
+  void inject_failures(int expert, int count);
+  // Takes one injected failure of `expert`: true when one was left.
+  bool injected(int expert);
+
+  const BlobLayout blob;
+  RecordCheck check;
+  int readers{8}; // RuntimeConfig.readers
+  std::atomic<int64_t> bytes_read{0}; // by `read`, each record once
+
+ private:
+  void attempt(int expert, uint8_t* dst);
+
+  PreadSource buffered_;
+  std::unique_ptr<DirectSource> direct_;
+  std::unique_ptr<MappedBlob> mapped_;
+  std::vector<std::atomic<int>> injected_;
+};
+
+// A ReadError as a failed read of `expert` would raise (errno EIO).
+[[noreturn]] void injected_failure(const BlobLayout& blob, int expert);
+
+} // namespace moestream

@@ -1,0 +1,68 @@
+#include "record_source.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <stdexcept>
+
+#include "read_error.h"
+
+namespace moestream {
+
+void read_failed(const BlobLayout& blob, int expert, bool eof) {
+  std::string where = "Cannot read expert " + std::to_string(expert) +
+      " of layer " + std::to_string(blob.layer) + " from " + blob.path;
+  throw ReadError(
+      eof ? where + ": the record lies past the end of the file; "
+                    "convert again."
+          : os_error(where));
+}
+
+PreadSource::PreadSource(const BlobLayout& blob) : blob_(blob) {
+  fd_ = ::open(blob.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) {
+    throw std::runtime_error(os_error("Cannot open " + blob.path));
+  }
+}
+
+PreadSource::~PreadSource() {
+  ::close(fd_);
+}
+
+int64_t PreadSource::pread_full(int fd, uint8_t* dst, int64_t n,
+                                int64_t offset, bool direct) {
+  int64_t done = 0;
+  while (done < n) {
+    ssize_t got = ::pread(fd, dst + done, n - done, offset + done);
+    if (got < 0 && errno == EINTR) {
+      continue;
+    }
+    if (got < 0) {
+      return -1;
+    }
+    done += got;
+    if (got == 0 || (direct && got % kBlockAlign)) { // the end of the file
+      break;
+    }
+  }
+  return done;
+}
+
+void PreadSource::read_range(int expert, uint8_t* dst, int64_t begin,
+                             int64_t end) {
+  int64_t n = end - begin;
+  int64_t got = pread_full(fd_, dst + begin, n, blob_.offset(expert) + begin,
+                           false);
+  if (got < n) {
+    read_failed(blob_, expert, got >= 0);
+  }
+}
+
+bool PreadSource::hint(int expert) {
+  ::posix_fadvise(fd_, blob_.offset(expert), blob_.record_nbytes,
+                  POSIX_FADV_WILLNEED);
+  return true;
+}
+
+} // namespace moestream

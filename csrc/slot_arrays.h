@@ -1,0 +1,36 @@
+// A layer's slot memory: one MLX array per record segment, `[capacity (+
+// spare), ...]`, and how a read record is copied (and cast) into a slot.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mlx/array.h"
+
+#include "cast.h"
+
+namespace moestream {
+
+struct Segment {
+  int64_t offset; // inside the record
+  int64_t nbytes; // stored bytes of one expert
+  Cast cast; // how the stored floats become the slot's (cast.h)
+};
+
+class SlotArrays {
+ public:
+  explicit SlotArrays(std::vector<Segment> segments)
+      : segments(std::move(segments)) {}
+  // The evaluated slot arrays (at least `capacity` slots), one per segment.
+  void bind(std::vector<mlx::core::array> slots, bool on_gpu, int capacity);
+  // Copy a read record into slot memory on the host (CPU slots).
+  void fill_host(const uint8_t* record, int slot);
+  // A stored float segment in the slot's float dtype, at `out` (cast.h).
+  static void cast_host(const uint8_t* src, const Segment& seg, uint8_t* out);
+
+  const std::vector<Segment> segments;
+  std::vector<mlx::core::array> slots;
+  bool on_gpu{false};
+};
+
+} // namespace moestream
