@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PROMPT, logits_stepwise
 
+import moestream
 from moestream.runtime import native
 from moestream.runtime.pool import SlotPool
 
@@ -82,3 +84,18 @@ def test_policy_refuses_what_the_engine_refuses() -> None:
     with pytest.raises(ValueError, match="'lru' or 'lrfu'"):
         native._native.SlotPolicy(8, 2, "fifo")
     assert policy.access([3, 3, 4]) == [] and policy.access([5]) == [3]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+def test_both_engines_count_alike(converted, policy: str) -> None:
+    """One policy, so the python and native engines evict alike: the same
+    hits, misses and evictions over a prompt and decode steps."""
+    counts = {}
+    for engine in ("python", "native"):
+        model, _ = moestream.load(
+            converted, cache_experts=3, engine=engine, policy=policy, prefetch=False
+        )
+        logits_stepwise(model, PROMPT, steps=10)
+        s = moestream.stats(model)
+        counts[engine] = (s.hits, s.misses, s.evictions)
+    assert counts["python"] == counts["native"] and counts["native"][2] > 0
