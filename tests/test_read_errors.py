@@ -152,7 +152,7 @@ def test_injected_failures_heal_once_then_fail(copy, reference, how: str) -> Non
     if how == "tier":
         record = max(layer.record_nbytes for layer in load_manifest(copy).layers)
         options.update(host_budget=TIER_RECORDS * record, prefetch=False)
-    options.update({"mapped": True} if how == "mapped" else {"cache_experts": 2})
+    options.update({"backend": "mapped"} if how == "mapped" else {"cache_experts": 2})
     model, _ = moestream.load(copy, **options)
     inject(model, how, 1)
     assert_exact(model, reference)
