@@ -336,7 +336,7 @@ def _convert_into(c: Conversion, progress: bool) -> ConvertSummary:
         model_type=src.config["model_type"],
         dtype=c.dtype,
         recipe=c.recipe,
-        source={"repo_id": src.repo_id, "revision": src.revision},
+        source=_source(src),
         created_by=f"moestream {__version__}",
     )
     summary = _summary(manifest, c.writer.dense_bytes, switches, model)
@@ -512,6 +512,12 @@ def _write_layer(
     )
     log.debug("layer %d: %d experts x %d bytes", layer, num_experts, record_nbytes)
     return writer.add_layer(entry, records)
+
+
+def _source(src: Source) -> dict:
+    """The manifest's source: the hub id and revision, or a local folder's name."""
+    local = {} if src.repo_id else {"name": src.path.resolve().name}
+    return {"repo_id": src.repo_id, "revision": src.revision, **local}
 
 
 def _summary(

@@ -215,9 +215,9 @@ def load_manifest(directory: str | Path) -> Manifest:
         raise FormatError(f"{path} is nested absurdly deep; convert again.") from None
     try:
         manifest = _from_dict(d)
+    except FormatError as e:  # say which file
+        raise FormatError(f"{path}: {e}") from e
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, FormatError):
-            raise
         raise FormatError(f"{path} is malformed: {e!r}; convert again.") from e
     validate(manifest, directory)
     return manifest
@@ -225,7 +225,9 @@ def load_manifest(directory: str | Path) -> Manifest:
 
 def _from_dict(d: dict[str, Any]) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
-        raise FormatError("manifest.json is not a moestream manifest.")
+        raise FormatError(
+            'not a moestream manifest (no "format": "moestream"); convert again.'
+        )
     version = d.get("version")
     if version not in SUPPORTED_VERSIONS:
         raise FormatError(

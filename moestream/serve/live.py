@@ -9,17 +9,21 @@ costs the hot path no branch, only the counters it already keeps.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.utils import load_config
 
+from ..families import get_family
 from ..runtime import native, runtime_of, stats
 from ..runtime.switch import StreamingSwitchGLU
 from ..units import peak_rss
@@ -101,18 +105,24 @@ def current_rss() -> int:
 
 
 def memory_view(server: Served) -> dict:
+    """The plan's parts (what the budget holds) and what is resident now."""
     plan = runtime_of(server.model).plan
+    rss = current_rss()
     return {
         "budget": server.plan.budget or 0,
         "planned": plan.total + server.plan.prompt_cache_bytes,
+        "process": plan.process,
         "dense": plan.dense,
         "kv_cache": plan.kv_cache,
+        "activations": plan.activations,
+        "staging": plan.staging,
         "experts": plan.pools,
+        "reserve": plan.reserve,
         "other": plan.process + plan.activations + plan.staging + plan.reserve,
         "prompt_cache_limit": server.plan.prompt_cache_bytes,
         "prompt_cache": server.prompt_cache.nbytes,
-        "rss": current_rss(),
-        "peak_rss": peak_rss(),
+        "rss": rss,
+        "peak_rss": max(rss, peak_rss()),  # the kernel's high-water mark lags
         "mlx_active": mx.get_active_memory(),
         "mlx_peak": mx.get_peak_memory(),
     }
@@ -130,6 +140,32 @@ def requests_view(server: Served) -> dict:
         "tokens_per_second": m.generation_tokens / busy if busy else 0.0,
         "decode_concurrency": server.plan.decode_concurrency,
     }
+
+
+def model_name(manifest: Any, fallback: str) -> str:
+    """The model's name as its manifest records it (the hub id, or the source
+    folder's name); older manifests: `fallback`."""
+    source = manifest.source or {}
+    return str(source.get("name") or source.get("repo_id") or fallback)
+
+
+def model_view(model: Any, fallback: str) -> dict:
+    """The header's line: the model's name, family and experts."""
+    runtime = runtime_of(model)
+    layers = runtime.manifest.layers
+    return {
+        "name": model_name(runtime.manifest, fallback),
+        "family": runtime.manifest.model_type,
+        "moe_layers": len(layers),
+        "experts": max((x.num_experts for x in layers), default=0),
+        "top_k": _top_k(str(runtime.directory)),
+    }
+
+
+@functools.cache
+def _top_k(directory: str) -> int:
+    config = load_config(Path(directory))
+    return get_family(config).top_k(config)
 
 
 def snapshot(server: Served) -> dict:
@@ -151,6 +187,7 @@ def snapshot(server: Served) -> dict:
     out["layers"] = [layer_view(m, s, visible) for m in streaming_layers(model)]
     out["host_tier"] = tier_view(s)
     out["memory"] = memory_view(server)
+    out["about"] = model_view(model, server.model_id)
     return out
 
 
