@@ -46,7 +46,7 @@ from ..formats import (
 )
 from ..formats.dtypes import DTYPE_NAMES, FLOAT_DTYPES
 from ..formats.manifest import PAGE_SIZE
-from ..units import human_bytes, peak_rss
+from ..units import count, human_bytes, peak_rss
 from .hfconfig import rope_notes
 from .layouts import Layout, detect
 from .resume import (
@@ -378,8 +378,8 @@ def _check_coverage(
     missing = sorted(set(expected) - seen)
     if missing:
         raise SourceError(
-            f"Checkpoint is missing {len(missing)} tensors (first: {missing[0]}); "
-            "download the complete checkpoint."
+            f"Checkpoint is missing {count(len(missing), 'tensor')} (first: "
+            f"{missing[0]}); download the complete checkpoint."
         )
 
 

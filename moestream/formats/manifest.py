@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..units import count
 from .dtypes import DTYPES
 from .recipe import MODES, Recipe, RecipeError
 
@@ -350,8 +351,8 @@ def validate_layer(layer: ExpertLayer, where: str) -> None:
         raise FormatError(f"{where}: absurd blob size {layer.file_nbytes}.")
     if len(layer.checksums) != layer.num_experts:
         raise FormatError(
-            f"{where}: {len(layer.checksums)} checksums for "
-            f"{layer.num_experts} experts."
+            f"{where}: {count(len(layer.checksums), 'checksum')} for "
+            f"{count(layer.num_experts, 'expert')}."
         )
     end, names = 0, set()
     for s in sorted(layer.segments, key=lambda s: s.offset):

@@ -173,7 +173,7 @@ def _capacity_given(plan: MemoryPlan, cache_experts: int, least: int) -> int:
     if plan.concurrency > 1 and capacity < least:
         raise BudgetError(
             f"{plan.concurrency} sequences decoded at once route to up to {least} "
-            f"experts per layer, more than {capacity} slots; give "
+            f"experts per layer, more than {count(capacity, 'slot')}; give "
             f"--cache-experts {least} or more, or decode fewer at once."
         )
     need = plan.total - plan.pools + capacity * plan.slot_bytes
