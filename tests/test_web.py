@@ -37,7 +37,7 @@ WIDER = {"num_hidden_layers": 6, "num_experts": 32, "num_experts_per_tok": 4}
 @pytest.fixture(scope="module")
 def wider(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf = tiny_qwen3_moe(
-        tmp_path_factory.mktemp("hf") / "m", mlp_only_layers=[], **WIDER
+        tmp_path_factory.mktemp("hf") / "tiny-source", mlp_only_layers=[], **WIDER
     )
     out = tmp_path_factory.mktemp("out") / "wider-moe"
     convert(str(hf), out, bits=BITS, progress=False)
@@ -117,12 +117,24 @@ def test_stream_sends_count_events_then_ends(server: Server) -> None:
     assert times == sorted(times) and times[-1] - times[0] >= 0.1
     e = got[-1]
     assert e["model"] == "wider-moe" and (e["rank"], e["ranks"]) == (0, 1)
+    assert e["about"] == {  # the manifest's name, not the folder's
+        "name": "tiny-source",
+        "family": "qwen3_moe",
+        "moe_layers": 6,
+        "experts": 32,
+        "top_k": 4,
+    }
     assert [layer["layer"] for layer in e["layers"]] == list(range(6))
     assert e["slots_visible"]
     tier = e["host_tier"]
     assert tier["records"] == 64 and 0 < tier["filled"] <= 64
     assert e["memory"]["budget"] == 1 << 30
-    assert e["memory"]["rss"] > 0 and e["memory"]["dense"] > 0
+    m = e["memory"]
+    assert m["rss"] > 0 and m["dense"] > 0 and m["peak_rss"] >= m["rss"]
+    parts = ("process", "dense", "kv_cache", "activations", "staging", "experts")
+    plan = moestream.runtime_of(server.model).plan
+    assert sum(m[k] for k in (*parts, "reserve")) == plan.total
+    assert m["reserve"] == plan.reserve and m["process"] == plan.process
 
 
 def test_snapshot_equals_metrics_and_the_slots(server: Server) -> None:
@@ -418,3 +430,46 @@ def test_page_with_concurrent_requests_and_history(
     shot = request.config.getoption("screenshot") or tmp_path / "page.png"
     page.screenshot(path=str(shot), full_page=True)
     assert Path(shot).stat().st_size > 10_000
+
+
+@ui
+def test_page_names_the_model_the_memory_and_the_colour_scales(
+    page, server: Server
+) -> None:
+    page.fill("#max-tokens", "12")
+    ask(page, "what fills the budget")
+    page.wait_for_timeout(600)  # samples after the answer
+    header = page.locator("#model").text_content()
+    assert header == "tiny-source"  # from the manifest; the folder is wider-moe
+    assert '"wider-moe"' in page.locator("#about").text_content()
+    snap = json.loads(get(server, "/stats")[1])["memory"]
+    keys = page.eval_on_selector_all(
+        "#memory-keys [data-part]",
+        "els => Object.fromEntries(els.map(e => [e.dataset.part, +e.dataset.value]))",
+    )
+    for name, key in (("process", "process"), ("dense", "dense"), ("KV", "kv_cache"),
+                      ("slots", "experts"), ("reserve", "reserve")):  # fmt: skip
+        assert keys[name] == snap[key], name
+    assert keys["activations"] == snap["activations"] + snap["staging"]
+    shown = page.locator("#memory").evaluate("e => [e.dataset.rss, e.dataset.peak]")
+    assert int(shown[1]) >= int(shown[0]) > 0  # the peak is never below now
+    ramps = page.eval_on_selector_all(
+        ".scale .ramp", "els => els.map(e => getComputedStyle(e).backgroundImage)"
+    )
+    assert len(ramps) == 2 and all("linear-gradient" in r for r in ramps)
+    # The tokens/s chart's window starts at its first sample with tokens.
+    chart = page.locator("#chart-tps").evaluate("e => ({...e.dataset})")
+    assert int(chart["samples"]) >= 2 and float(chart["firstX"]) <= 1.0
+    assert float(page.locator("#window").get_attribute("data-seconds")) > 0
+    # No dead space: the page ends where its panels do, the panel where its parts do.
+    gaps = page.evaluate(
+        """() => {
+            const panel = document.getElementById('panel').getBoundingClientRect();
+            const last = document.querySelector('#panel .bars').getBoundingClientRect();
+            const chat = document.getElementById('chat').getBoundingClientRect();
+            const page = document.documentElement.scrollHeight;
+            return [panel.bottom - last.bottom,
+                    page - Math.max(panel.bottom, chat.bottom) - window.scrollY];
+        }"""
+    )
+    assert gaps[0] < 40 and gaps[1] < 40, gaps
