@@ -373,6 +373,7 @@ def hf_config(args: ModelArgs) -> dict:
     """config.json of a Qwen3MoeForCausalLM with our hyper-parameters."""
     cfg = {k: v for k, v in vars(args).items() if k != "rope_scaling"}
     cfg.update(
+        _name_or_path="stdlib-moe",  # the name the serve page shows
         architectures=["Qwen3MoeForCausalLM"],
         attention_bias=False,
         attention_dropout=0.0,

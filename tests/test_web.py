@@ -37,7 +37,10 @@ WIDER = {"num_hidden_layers": 6, "num_experts": 32, "num_experts_per_tok": 4}
 @pytest.fixture(scope="module")
 def wider(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf = tiny_qwen3_moe(
-        tmp_path_factory.mktemp("hf") / "tiny-source", mlp_only_layers=[], **WIDER
+        tmp_path_factory.mktemp("hf") / "m",
+        mlp_only_layers=[],
+        _name_or_path="org/tiny-source",
+        **WIDER,
     )
     out = tmp_path_factory.mktemp("out") / "wider-moe"
     convert(str(hf), out, bits=BITS, progress=False)
@@ -118,7 +121,7 @@ def test_stream_sends_count_events_then_ends(server: Server) -> None:
     e = got[-1]
     assert e["model"] == "wider-moe" and (e["rank"], e["ranks"]) == (0, 1)
     assert e["about"] == {  # the manifest's name, not the folder's
-        "name": "tiny-source",
+        "name": "org/tiny-source",
         "family": "qwen3_moe",
         "moe_layers": 6,
         "experts": 32,
@@ -440,7 +443,7 @@ def test_page_names_the_model_the_memory_and_the_colour_scales(
     ask(page, "what fills the budget")
     page.wait_for_timeout(600)  # samples after the answer
     header = page.locator("#model").text_content()
-    assert header == "tiny-source"  # from the manifest; the folder is wider-moe
+    assert header == "org/tiny-source"  # the model's own; the folder is wider-moe
     assert '"wider-moe"' in page.locator("#about").text_content()
     snap = json.loads(get(server, "/stats")[1])["memory"]
     keys = page.eval_on_selector_all(

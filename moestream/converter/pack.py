@@ -515,9 +515,12 @@ def _write_layer(
 
 
 def _source(src: Source) -> dict:
-    """The manifest's source: the hub id and revision, or a local folder's name."""
-    local = {} if src.repo_id else {"name": src.path.resolve().name}
-    return {"repo_id": src.repo_id, "revision": src.revision, **local}
+    """The manifest's source: the hub id and revision, and the name the
+    source's config.json carries, if any (config.json itself drops it)."""
+    named = src.config.get("_name_or_path")
+    return {"repo_id": src.repo_id, "revision": src.revision} | (
+        {"name": str(named)} if named else {}
+    )
 
 
 def _summary(

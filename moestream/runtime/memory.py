@@ -180,9 +180,9 @@ def _capacity_given(plan: MemoryPlan, cache_experts: int, least: int) -> int:
     if plan.budget is not None and need > plan.budget:
         least = human_bytes(least_budget(plan, capacity), up=True)
         raise BudgetError(
-            f"{count(capacity, 'expert slot')} per layer need --memory-budget "
-            f"{least} or more, not {human_bytes(plan.budget)}; give that, or "
-            "fewer --cache-experts."
+            f"{count(capacity, 'expert slot')} per layer need {human_bytes(need)} "
+            f"in all, more than --memory-budget {human_bytes(plan.budget)}; give "
+            f"--memory-budget {least} or more, or fewer --cache-experts."
         )
     return capacity
 

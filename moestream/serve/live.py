@@ -143,29 +143,33 @@ def requests_view(server: Served) -> dict:
 
 
 def model_name(manifest: Any, fallback: str) -> str:
-    """The model's name as its manifest records it (the hub id, or the source
-    folder's name); older manifests: `fallback`."""
+    """The model's name as its manifest records it: the hub id, else the name
+    the source's config.json carried (a path's last part), else `fallback`."""
     source = manifest.source or {}
-    return str(source.get("name") or source.get("repo_id") or fallback)
+    named = source.get("repo_id") or source.get("name")
+    if not named:
+        return fallback
+    named = str(named)
+    return Path(named).name if named.startswith(("/", ".", "~")) else named
 
 
 def model_view(model: Any, fallback: str) -> dict:
     """The header's line: the model's name, family and experts."""
     runtime = runtime_of(model)
     layers = runtime.manifest.layers
+    config = _config(str(runtime.directory))
     return {
         "name": model_name(runtime.manifest, fallback),
         "family": runtime.manifest.model_type,
         "moe_layers": len(layers),
         "experts": max((x.num_experts for x in layers), default=0),
-        "top_k": _top_k(str(runtime.directory)),
+        "top_k": get_family(config).top_k(config),
     }
 
 
 @functools.cache
-def _top_k(directory: str) -> int:
-    config = load_config(Path(directory))
-    return get_family(config).top_k(config)
+def _config(directory: str) -> dict:
+    return load_config(Path(directory))
 
 
 def snapshot(server: Served) -> dict:
