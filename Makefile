@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml $(NATIVE)
 
 install: $(STAMP)
 
-# ruff, then the import contracts in pyproject.toml (DESIGN.md §1's layers).
+# ruff, then the import contracts in pyproject.toml (the package's layers).
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
