@@ -9,6 +9,9 @@ import itertools
 import re
 from pathlib import Path
 
+import pytest
+
+from moestream.formats import FormatError, load_manifest
 from moestream.units import count
 
 ROOT = Path(__file__).parent.parent / "moestream"
@@ -78,3 +81,11 @@ def test_every_counted_noun_in_a_message_agrees_with_its_number() -> None:
                 found.add((name, noun, number))
     assert found - NEVER_ONE - TO_FIX == set()  # give these to units.count
     assert found >= NEVER_ONE | TO_FIX  # none of the listed is stale
+
+
+@pytest.mark.parametrize("text", ["{}", '{"format": "other"}'])
+def test_a_manifest_that_is_not_one_names_its_path(tmp_path: Path, text: str) -> None:
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(FormatError) as e:
+        load_manifest(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'manifest.json'}: not a moestream")
