@@ -476,3 +476,29 @@ def test_page_names_the_model_the_memory_and_the_colour_scales(
         }"""
     )
     assert gaps[0] < 40 and gaps[1] < 40, gaps
+
+
+def test_mlx_lm_server_lines_per_request_only_at_debug() -> None:
+    """The server logs nothing per request at INFO; -vv (DEBUG) shows them."""
+    import logging
+
+    from moestream.serve.page import quiet_requests
+
+    def record(path: str, level: int = logging.INFO, name: str = "root"):
+        return logging.LogRecord(name, level, path, 1, "Prompt Cache: 1", None, None)
+
+    per_request = record("/x/site-packages/mlx_lm/server.py")
+    root = logging.getLogger()
+    before = root.level
+    try:
+        root.setLevel(logging.INFO)
+        assert not quiet_requests(per_request)
+        assert quiet_requests(
+            record("/x/site-packages/mlx_lm/server.py", logging.WARNING)
+        )
+        assert quiet_requests(record("/x/moestream/serve/app.py"))
+        assert quiet_requests(record("/x/mlx_lm/server.py", name="moestream.serve"))
+        root.setLevel(logging.DEBUG)
+        assert quiet_requests(per_request)
+    finally:
+        root.setLevel(before)
