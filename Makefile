@@ -42,18 +42,20 @@ test-all: lint
 	$(BIN)/pytest -q -m "" $(XDIST)
 
 # The page's tests in a real browser: Chromium from apt-get (as root) and
-# Playwright from PyPI if missing (it drives the system's Chromium).
+# Playwright from PyPI if missing (it drives the system's Chromium). The page's
+# screenshot goes to build/; docs/serve-page.png is replaced by hand, on purpose.
 test-ui: $(STAMP)
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
 		&& apt-get install -y -qq chromium; } || { echo "test-ui: no chromium; \
 		as root: apt-get install chromium"; exit 1; }
 	@$(BIN)/python -c "import playwright" 2>/dev/null || $(PIP) "playwright>=1.40,<2"
-	$(BIN)/pytest -q -p no:xdist -m ui tests/test_web.py --screenshot docs/serve-page.png
+	@mkdir -p build
+	$(BIN)/pytest -q -p no:xdist -m ui tests/test_web.py --screenshot build/serve-page.png
 
 demo: $(STAMP)
 	$(BIN)/convert-moe examples/stdlib-moe $(DEMO_OUT) --force
 	$(BIN)/run-moe $(DEMO_OUT) --prompt "def read_config(path):" \
-		--ignore-chat-template --max-tokens 120 --temp 0.7 --top-p 0.95 --seed 1 \
+		--max-tokens 120 --temp 0.7 --top-p 0.95 --seed 1 \
 		--cache-experts 4 --stats
 
 # The issue's comparison model (~1 GB), written once; then the table of ratios.

@@ -44,10 +44,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "site-packages"}
+# The model saw raw source only: its template hands the text on as it is, so
+# run-moe, chat and serve prompt it with what it was trained on.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' "
-    "+ message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% for message in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ message['content'] }}{% endfor %}"
 )
 UNKNOWN = 10**9  # step count before the budget is calibrated
 
@@ -372,6 +373,7 @@ def hf_config(args: ModelArgs) -> dict:
     """config.json of a Qwen3MoeForCausalLM with our hyper-parameters."""
     cfg = {k: v for k, v in vars(args).items() if k != "rope_scaling"}
     cfg.update(
+        _name_or_path="stdlib-moe",  # the name the serve page shows
         architectures=["Qwen3MoeForCausalLM"],
         attention_bias=False,
         attention_dropout=0.0,
@@ -491,7 +493,10 @@ for `make demo` and tests. It writes Python-looking text, nothing more.
   ({corpus.n_val_files}) are held out for validation,
   {corpus.n_train_files} files ({len(corpus.train):,} tokens) for training.
 - Tokenizer: byte-level BPE, {cfg.vocab_size} tokens, `<|endoftext|>` (id 0,
-  eos and pad), `<|im_start|>`, `<|im_end|>`.
+  eos and pad), `<|im_start|>`, `<|im_end|>` (unused). Its chat template
+  passes the messages' text on as it is (one newline between messages): the
+  model saw raw source only, so `run-moe`, `moestream chat` and the serve
+  page prompt it with code, and it continues the code.
 - Model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size},
   {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads of
   {cfg.head_dim}, {cfg.num_experts} experts per layer, top-{cfg.num_experts_per_tok},

@@ -51,7 +51,7 @@ from .runtime.loader import (
     resolve_dtype,
     runtime_of,
 )
-from .units import peak_rss
+from .units import count, peak_rss
 
 T = TypeVar("T")
 # Bytes of one rank's error message in the all_gather that shares it.
@@ -129,8 +129,9 @@ def split_layers(costs: list[int], ranks: int) -> tuple[int, ...]:
     """
     if not 1 <= ranks <= len(costs):
         raise PipelineError(
-            f"{ranks} ranks cannot share {len(costs)} decoder layers; launch "
-            f"between 1 and {len(costs)} processes."
+            f"{count(ranks, 'rank')} cannot share "
+            f"{count(len(costs), 'decoder layer')}; launch between 1 and "
+            f"{len(costs)} processes."
         )
     lo, hi = max(costs), sum(costs)
     while lo < hi:  # the smallest largest-rank load that a greedy cut achieves

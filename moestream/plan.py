@@ -339,7 +339,11 @@ def format_plan(result: dict[str, Any]) -> str:
         + (f", {seqs} sequences at once" if seqs > 1 else "")
         + "):",
         f"  {p['execution']['describe']}",
-        row("process", p["process"], "this process now: Python, MLX, tokenizer"),
+        row(
+            "process",
+            p["process"],
+            "this process: Python, MLX, tokenizer; measured, rounded up to 32M",
+        ),
         row("dense", p["dense"], "attention, norms, embeddings, routers, shared"),
         row("KV cache", p["kv_cache"]),
         row("activations", p["activations"], "a prefill chunk"),

@@ -36,6 +36,11 @@ def human_bytes(n: int, up: bool = False) -> str:
     return f"{n}B"
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """`1 slot`, `2 slots`: a number and its noun, agreeing."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def peak_rss() -> int:
     """This process's peak resident memory in bytes."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

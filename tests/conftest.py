@@ -59,7 +59,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--screenshot",
         default=None,
         help="Where the page's browser test saves its screenshot (make test-ui: "
-        "docs/serve-page.png); default: a temporary file.",
+        "build/serve-page.png); default: a temporary file.",
     )
 
 

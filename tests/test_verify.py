@@ -59,7 +59,7 @@ def test_every_bad_expert_and_file_is_named(copy: Path) -> None:
     text = "\n".join(problems)
     assert "layer-000.blob (layer 0): checksum mismatch in experts 1-2, 6" in text
     assert "layer-002.blob (layer 2): header does not match" in text
-    assert "layer-002.blob (layer 2): nonzero padding after experts 6" in text
+    assert "layer-002.blob (layer 2): nonzero padding after expert 6" in text
     assert "dense.safetensors: header size" in text
     assert "dense.safetensors: checksum mismatch" in text
     r = cli(copy)

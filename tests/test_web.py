@@ -37,7 +37,10 @@ WIDER = {"num_hidden_layers": 6, "num_experts": 32, "num_experts_per_tok": 4}
 @pytest.fixture(scope="module")
 def wider(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf = tiny_qwen3_moe(
-        tmp_path_factory.mktemp("hf") / "m", mlp_only_layers=[], **WIDER
+        tmp_path_factory.mktemp("hf") / "m",
+        mlp_only_layers=[],
+        _name_or_path="org/tiny-source",
+        **WIDER,
     )
     out = tmp_path_factory.mktemp("out") / "wider-moe"
     convert(str(hf), out, bits=BITS, progress=False)
@@ -117,12 +120,27 @@ def test_stream_sends_count_events_then_ends(server: Server) -> None:
     assert times == sorted(times) and times[-1] - times[0] >= 0.1
     e = got[-1]
     assert e["model"] == "wider-moe" and (e["rank"], e["ranks"]) == (0, 1)
+    assert e["about"] == {  # the manifest's name, not the folder's
+        "name": "org/tiny-source",
+        "family": "qwen3_moe",
+        "moe_layers": 6,
+        "experts": 32,
+        "top_k": 4,
+    }
     assert [layer["layer"] for layer in e["layers"]] == list(range(6))
+    plan = moestream.runtime_of(server.model).execution
+    assert e["backend"] == plan.as_dict()  # the plan's words, as `plan` prints
+    assert e["backend"]["describe"].startswith("backend cpu-slots, ")
     assert e["slots_visible"]
     tier = e["host_tier"]
     assert tier["records"] == 64 and 0 < tier["filled"] <= 64
     assert e["memory"]["budget"] == 1 << 30
-    assert e["memory"]["rss"] > 0 and e["memory"]["dense"] > 0
+    m = e["memory"]
+    assert m["rss"] > 0 and m["dense"] > 0 and m["peak_rss"] >= m["rss"]
+    parts = ("process", "dense", "kv_cache", "activations", "staging", "experts")
+    plan = moestream.runtime_of(server.model).plan
+    assert sum(m[k] for k in (*parts, "reserve")) == plan.total
+    assert m["reserve"] == plan.reserve and m["process"] == plan.process
 
 
 def test_snapshot_equals_metrics_and_the_slots(server: Server) -> None:
@@ -418,3 +436,74 @@ def test_page_with_concurrent_requests_and_history(
     shot = request.config.getoption("screenshot") or tmp_path / "page.png"
     page.screenshot(path=str(shot), full_page=True)
     assert Path(shot).stat().st_size > 10_000
+
+
+@ui
+def test_page_names_the_model_the_memory_and_the_colour_scales(
+    page, server: Server
+) -> None:
+    page.fill("#max-tokens", "12")
+    ask(page, "what fills the budget")
+    page.wait_for_timeout(600)  # samples after the answer
+    header = page.locator("#model").text_content()
+    assert header == "org/tiny-source"  # the model's own; the folder is wider-moe
+    about = page.locator("#about").text_content()
+    assert '"wider-moe"' in about
+    assert moestream.runtime_of(server.model).execution.describe() in about
+    snap = json.loads(get(server, "/stats")[1])["memory"]
+    keys = page.eval_on_selector_all(
+        "#memory-keys [data-part]",
+        "els => Object.fromEntries(els.map(e => [e.dataset.part, +e.dataset.value]))",
+    )
+    for name, key in (("process", "process"), ("dense", "dense"), ("KV", "kv_cache"),
+                      ("slots", "experts"), ("reserve", "reserve")):  # fmt: skip
+        assert keys[name] == snap[key], name
+    assert keys["activations"] == snap["activations"] + snap["staging"]
+    shown = page.locator("#memory").evaluate("e => [e.dataset.rss, e.dataset.peak]")
+    assert int(shown[1]) >= int(shown[0]) > 0  # the peak is never below now
+    ramps = page.eval_on_selector_all(
+        ".scale .ramp", "els => els.map(e => getComputedStyle(e).backgroundImage)"
+    )
+    assert len(ramps) == 2 and all("linear-gradient" in r for r in ramps)
+    # The tokens/s chart's window starts at its first sample with tokens.
+    chart = page.locator("#chart-tps").evaluate("e => ({...e.dataset})")
+    assert int(chart["samples"]) >= 2 and float(chart["firstX"]) <= 1.0
+    assert float(page.locator("#window").get_attribute("data-seconds")) > 0
+    # No dead space: the page ends where its panels do, the panel where its parts do.
+    gaps = page.evaluate(
+        """() => {
+            const panel = document.getElementById('panel').getBoundingClientRect();
+            const last = document.querySelector('#panel .bars').getBoundingClientRect();
+            const chat = document.getElementById('chat').getBoundingClientRect();
+            const page = document.documentElement.scrollHeight;
+            return [panel.bottom - last.bottom,
+                    page - Math.max(panel.bottom, chat.bottom) - window.scrollY];
+        }"""
+    )
+    assert gaps[0] < 40 and gaps[1] < 40, gaps
+
+
+def test_mlx_lm_server_lines_per_request_only_at_debug() -> None:
+    """The server logs nothing per request at INFO; -vv (DEBUG) shows them."""
+    import logging
+
+    from moestream.serve.page import quiet_requests
+
+    def record(path: str, level: int = logging.INFO, name: str = "root"):
+        return logging.LogRecord(name, level, path, 1, "Prompt Cache: 1", None, None)
+
+    per_request = record("/x/site-packages/mlx_lm/server.py")
+    root = logging.getLogger()
+    before = root.level
+    try:
+        root.setLevel(logging.INFO)
+        assert not quiet_requests(per_request)
+        assert quiet_requests(
+            record("/x/site-packages/mlx_lm/server.py", logging.WARNING)
+        )
+        assert quiet_requests(record("/x/moestream/serve/app.py"))
+        assert quiet_requests(record("/x/mlx_lm/server.py", name="moestream.serve"))
+        root.setLevel(logging.DEBUG)
+        assert quiet_requests(per_request)
+    finally:
+        root.setLevel(before)

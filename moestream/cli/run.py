@@ -27,6 +27,7 @@ from ..generate import (
 )
 from ..options import CONTEXT, common_options, engine_options
 from ..runtime import RuntimeConfig, load, runtime_of
+from ..units import count
 
 
 @click.command(context_settings=CONTEXT)
@@ -262,7 +263,7 @@ def _print_stats(s: dict) -> None:
     for r in s.get("ranks", []):  # --pipeline
         click.echo(
             f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1]}, "
-            f"{r['capacity']} slots per layer, {r['bytes_read'] / 1e6:.2f} MB "
+            f"{count(r['capacity'], 'slot')} per layer, {r['bytes_read'] / 1e6:.2f} MB "
             f"read, peak {r['peak_memory'] / 2**20:.0f} MB",
             err=True,
         )

@@ -9,7 +9,7 @@ import click
 from ..errors import user_errors
 from ..formats.verify import verify
 from ..options import CONTEXT, common_options
-from ..units import human_bytes
+from ..units import count, human_bytes
 
 
 @click.command(context_settings=CONTEXT)
@@ -25,11 +25,13 @@ def verify_cmd(model_dir: str, quiet: bool) -> None:
     for problem in report.problems:
         click.echo(f"BAD {problem}")
     summary = (
-        f"{report.layers} layers, {report.experts} experts, "
+        f"{count(report.layers, 'layer')}, {count(report.experts, 'expert')}, "
         f"{human_bytes(report.bytes_read)} of blobs checked"
     )
     if report.ok:
         click.echo(f"OK {model_dir}: {summary}")
         return
-    click.echo(f"FAILED {model_dir}: {len(report.problems)} problems; {summary}")
+    click.echo(
+        f"FAILED {model_dir}: {count(len(report.problems), 'problem')}; {summary}"
+    )
     sys.exit(1)

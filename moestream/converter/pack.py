@@ -46,7 +46,7 @@ from ..formats import (
 )
 from ..formats.dtypes import DTYPE_NAMES, FLOAT_DTYPES
 from ..formats.manifest import PAGE_SIZE
-from ..units import human_bytes, peak_rss
+from ..units import count, human_bytes, peak_rss
 from .hfconfig import rope_notes
 from .layouts import Layout, detect
 from .resume import (
@@ -336,7 +336,7 @@ def _convert_into(c: Conversion, progress: bool) -> ConvertSummary:
         model_type=src.config["model_type"],
         dtype=c.dtype,
         recipe=c.recipe,
-        source={"repo_id": src.repo_id, "revision": src.revision},
+        source=_source(src),
         created_by=f"moestream {__version__}",
     )
     summary = _summary(manifest, c.writer.dense_bytes, switches, model)
@@ -378,8 +378,8 @@ def _check_coverage(
     missing = sorted(set(expected) - seen)
     if missing:
         raise SourceError(
-            f"Checkpoint is missing {len(missing)} tensors (first: {missing[0]}); "
-            "download the complete checkpoint."
+            f"Checkpoint is missing {count(len(missing), 'tensor')} (first: "
+            f"{missing[0]}); download the complete checkpoint."
         )
 
 
@@ -512,6 +512,15 @@ def _write_layer(
     )
     log.debug("layer %d: %d experts x %d bytes", layer, num_experts, record_nbytes)
     return writer.add_layer(entry, records)
+
+
+def _source(src: Source) -> dict:
+    """The manifest's source: the hub id and revision, and the name the
+    source's config.json carries, if any (config.json itself drops it)."""
+    named = src.config.get("_name_or_path")
+    return {"repo_id": src.repo_id, "revision": src.revision} | (
+        {"name": str(named)} if named else {}
+    )
 
 
 def _summary(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..units import count
 from .dtypes import DTYPES
 from .manifest import PAGE_SIZE, ExpertLayer, FormatError, Segment
 
@@ -108,7 +109,9 @@ def _write_records(
         f.flush()
         os.fsync(f.fileno())
     if len(sums) != layer.num_experts:
-        raise ValueError(f"Wrote {len(sums)} records, expected {layer.num_experts}.")
+        raise ValueError(
+            f"Wrote {count(len(sums), 'record')}, expected {layer.num_experts}."
+        )
     return sums
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..units import count
 from .dtypes import DTYPES
 from .recipe import MODES, Recipe, RecipeError
 
@@ -215,9 +216,9 @@ def load_manifest(directory: str | Path) -> Manifest:
         raise FormatError(f"{path} is nested absurdly deep; convert again.") from None
     try:
         manifest = _from_dict(d)
+    except FormatError as e:  # say which file
+        raise FormatError(f"{path}: {e}") from e
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, FormatError):
-            raise
         raise FormatError(f"{path} is malformed: {e!r}; convert again.") from e
     validate(manifest, directory)
     return manifest
@@ -225,7 +226,9 @@ def load_manifest(directory: str | Path) -> Manifest:
 
 def _from_dict(d: dict[str, Any]) -> Manifest:
     if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
-        raise FormatError("manifest.json is not a moestream manifest.")
+        raise FormatError(
+            'not a moestream manifest (no "format": "moestream"); convert again.'
+        )
     version = d.get("version")
     if version not in SUPPORTED_VERSIONS:
         raise FormatError(
@@ -348,8 +351,8 @@ def validate_layer(layer: ExpertLayer, where: str) -> None:
         raise FormatError(f"{where}: absurd blob size {layer.file_nbytes}.")
     if len(layer.checksums) != layer.num_experts:
         raise FormatError(
-            f"{where}: {len(layer.checksums)} checksums for "
-            f"{layer.num_experts} experts."
+            f"{where}: {count(len(layer.checksums), 'checksum')} for "
+            f"{count(layer.num_experts, 'expert')}."
         )
     end, names = 0, set()
     for s in sorted(layer.segments, key=lambda s: s.offset):

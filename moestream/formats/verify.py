@@ -282,15 +282,23 @@ def _check_open_blob(
         if not regions.read(pad, zero=True)[2]:
             dirty.append(e)
     if bad:
-        problems.append(f"{where}: checksum mismatch in experts {_ranges(bad)}")
+        problems.append(f"{where}: checksum mismatch in {_experts(bad)}")
     if missing:
-        problems.append(f"{where}: experts {_ranges(missing)} lie beyond end of file")
+        problems.append(
+            f"{where}: {_experts(missing)} "
+            + ("lies" if len(missing) == 1 else "lie")
+            + " beyond end of file"
+        )
     if dirty:
         problems.append(
-            f"{where}: nonzero padding after experts {_ranges(dirty)} "
-            "(the file was modified)"
+            f"{where}: nonzero padding after {_experts(dirty)} (the file was modified)"
         )
     return problems
+
+
+def _experts(xs: list[int]) -> str:
+    """[3] -> 'expert 3'; [1, 2, 6] -> 'experts 1-2, 6'."""
+    return ("expert " if len(xs) == 1 else "experts ") + _ranges(xs)
 
 
 def _ranges(xs: list[int]) -> str:

@@ -270,8 +270,8 @@ def budget_for(
     options: RuntimeConfig | None = None,
     shard: Shard | None = None,
 ) -> int:
-    """A --memory-budget that holds `capacity` slots per layer: the smallest,
-    plus 1 % for the process growing between this call and `load`.
+    """The smallest --memory-budget that holds `capacity` slots per layer (the
+    process's size is rounded up: its growth before `load` moves nothing).
 
     Plans on a lazily loaded model: no weight is read.
     """
@@ -283,7 +283,7 @@ def budget_for(
         backend="slots",
     )
     plan = plan_for(path, cfg, shard)
-    return _budget_holding(plan.total - plan.reserve, growth=0.01)
+    return _budget_holding(plan.total - plan.reserve)
 
 
 def plan_for(

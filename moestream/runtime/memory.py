@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from ..families import get_family
 from ..formats import ExpertLayer, Manifest
-from ..units import human_bytes, peak_rss
+from ..units import count, human_bytes, peak_rss
 
 # mlx-lm's generate_step prefills in chunks of this many tokens.
 PREFILL_STEP = 2048
@@ -23,6 +23,11 @@ PREFILL_STEP = 2048
 # counter sees (measured: peak RSS ran 1-5 % over MLX's own peak plus process).
 RESERVE_BYTES = 32 << 20
 RESERVE_FRACTION = 0.03
+# The process's own size is measured and rounded up to a multiple of
+# PROCESS_STEP, at least PROCESS_FLOOR: the few MB it moves between runs, and
+# between `plan` and `run-moe` (measured 83-89 MB on a CPU), move no slot.
+PROCESS_STEP = 32 << 20
+PROCESS_FLOOR = 128 << 20
 
 
 class BudgetError(ValueError):
@@ -50,7 +55,7 @@ class MemoryPlan:
     host_record: int = 0
     host_budget: int | None = None
     host_pinned: bool = False
-    mapped: bool = False  # RuntimeConfig.mapped: no slots (capacity 0)
+    mapped: bool = False  # the cpu-mapped backend: no slots (capacity 0)
 
     @property
     def host_tier(self) -> int:
@@ -96,7 +101,25 @@ class MemoryPlan:
 def _budget_holding(unreserved: int, growth: float = 0.0) -> int:
     """The smallest budget whose reserve and remainder hold `unreserved` bytes."""
     need = (1 + growth) * (unreserved + RESERVE_BYTES)
-    return math.ceil(need / (1 - RESERVE_FRACTION))
+    budget = math.ceil(need / (1 - RESERVE_FRACTION))
+    while budget - reserve_for(budget) < (1 + growth) * unreserved:  # rounding
+        budget += 1
+    while budget - 1 - reserve_for(budget - 1) >= (1 + growth) * unreserved:
+        budget -= 1
+    return budget
+
+
+def reserve_for(budget: int | None) -> int:
+    """The reserve a budget keeps: RESERVE_BYTES + RESERVE_FRACTION of it."""
+    return RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))
+
+
+def least_budget(plan: MemoryPlan, capacity: int) -> int:
+    """The smallest --memory-budget that holds `plan` with `capacity` slots per
+    layer, the reserve's share of that budget included."""
+    return _budget_holding(
+        plan.total - plan.reserve - plan.pools + capacity * plan.slot_bytes
+    )
 
 
 def _text_config(config: dict) -> dict:
@@ -130,7 +153,7 @@ def plan_memory(
     if cache_experts is None and budget is None:
         fixed = process + dense + kv + act + staging
         budget = default_budget(fixed + num_experts * slot, process)
-    reserve = RESERVE_BYTES + int(RESERVE_FRACTION * (budget or 0))
+    reserve = reserve_for(budget)
     plan = MemoryPlan(
         budget, process, dense, kv, act, staging, reserve, slot,
         capacity=num_experts, num_experts=num_experts, concurrency=concurrency,
@@ -150,15 +173,16 @@ def _capacity_given(plan: MemoryPlan, cache_experts: int, least: int) -> int:
     if plan.concurrency > 1 and capacity < least:
         raise BudgetError(
             f"{plan.concurrency} sequences decoded at once route to up to {least} "
-            f"experts per layer, more than {capacity} slots; give "
+            f"experts per layer, more than {count(capacity, 'slot')}; give "
             f"--cache-experts {least} or more, or decode fewer at once."
         )
     need = plan.total - plan.pools + capacity * plan.slot_bytes
     if plan.budget is not None and need > plan.budget:
+        least = human_bytes(least_budget(plan, capacity), up=True)
         raise BudgetError(
-            f"{capacity} expert slots per layer need {human_bytes(need)} in all, "
-            f"more than --memory-budget {human_bytes(plan.budget)}; give fewer "
-            "--cache-experts or a larger budget."
+            f"{count(capacity, 'expert slot')} per layer need {human_bytes(need)} "
+            f"in all, more than --memory-budget {human_bytes(plan.budget)}; give "
+            f"--memory-budget {least} or more, or fewer --cache-experts."
         )
     return capacity
 
@@ -170,11 +194,15 @@ def _capacity_fitting(plan: MemoryPlan, least: int) -> int:
     capacity = min(plan.num_experts, max(budget - fixed, 0) // max(slot, 1))
     if capacity < least:
         seqs = f" for {plan.concurrency} sequences" if plan.concurrency > 1 else ""
+        fixed -= plan.reserve
+        suggest = human_bytes(least_budget(plan, least), up=True)
         raise BudgetError(
             f"Memory budget {human_bytes(budget)} is too small: process, dense "
             f"weights, KV cache and activations{seqs} need {human_bytes(fixed)}, "
-            f"and {least} expert slots per layer {human_bytes(least * slot)}; give "
-            f"--memory-budget {human_bytes(fixed + least * slot, up=True)} or more."
+            f"{count(least, 'expert slot')} per layer {human_bytes(least * slot)}, "
+            f"and the reserve {human_bytes(RESERVE_BYTES)} + "
+            f"{RESERVE_FRACTION:.0%} of the budget; give --memory-budget "
+            f"{suggest} or more."
         )
     return capacity
 
@@ -240,7 +268,13 @@ def available_memory() -> int:
 
 
 def _process_bytes() -> int:
-    """Resident memory of this process now (interpreter, libraries)."""
+    """This process's size for the plan (interpreter, libraries, tokenizer):
+    its resident memory now, rounded up to PROCESS_STEP, at least PROCESS_FLOOR."""
+    return max(PROCESS_FLOOR, -(-_resident_bytes() // PROCESS_STEP) * PROCESS_STEP)
+
+
+def _resident_bytes() -> int:
+    """Resident memory of this process now."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

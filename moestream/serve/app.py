@@ -227,6 +227,7 @@ class Server:
         self.options = options or ServerOptions()
         self.rank, self.ranks = 0, 1
         self.closing = threading.Event()  # ends the page's stats streams
+        logging.getLogger().addFilter(page.quiet_requests)  # no INFO per request
         if pipeline:  # one rank of mlx.launch: plan this rank's layers
             from ..pipeline import init, shard, stages, together
 

@@ -9,17 +9,21 @@ costs the hot path no branch, only the counters it already keeps.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.utils import load_config
 
+from ..families import get_family
 from ..runtime import native, runtime_of, stats
 from ..runtime.switch import StreamingSwitchGLU
 from ..units import peak_rss
@@ -99,18 +103,24 @@ def current_rss() -> int:
 
 
 def memory_view(server: Served) -> dict:
+    """The plan's parts (what the budget holds) and what is resident now."""
     plan = runtime_of(server.model).plan
+    rss = current_rss()
     return {
         "budget": server.plan.budget or 0,
         "planned": plan.total + server.plan.prompt_cache_bytes,
+        "process": plan.process,
         "dense": plan.dense,
         "kv_cache": plan.kv_cache,
+        "activations": plan.activations,
+        "staging": plan.staging,
         "experts": plan.pools,
+        "reserve": plan.reserve,
         "other": plan.process + plan.activations + plan.staging + plan.reserve,
         "prompt_cache_limit": server.plan.prompt_cache_bytes,
         "prompt_cache": server.prompt_cache.nbytes,
-        "rss": current_rss(),
-        "peak_rss": peak_rss(),
+        "rss": rss,
+        "peak_rss": max(rss, peak_rss()),  # the kernel's high-water mark lags
         "mlx_active": mx.get_active_memory(),
         "mlx_peak": mx.get_peak_memory(),
     }
@@ -128,6 +138,36 @@ def requests_view(server: Served) -> dict:
         "tokens_per_second": m.generation_tokens / busy if busy else 0.0,
         "decode_concurrency": server.plan.decode_concurrency,
     }
+
+
+def model_name(manifest: Any, fallback: str) -> str:
+    """The model's name as its manifest records it: the hub id, else the name
+    the source's config.json carried (a path's last part), else `fallback`."""
+    source = manifest.source or {}
+    named = source.get("repo_id") or source.get("name")
+    if not named:
+        return fallback
+    named = str(named)
+    return Path(named).name if named.startswith(("/", ".", "~")) else named
+
+
+def model_view(model: Any, fallback: str) -> dict:
+    """The header's line: the model's name, family and experts."""
+    runtime = runtime_of(model)
+    layers = runtime.manifest.layers
+    config = _config(str(runtime.directory))
+    return {
+        "name": model_name(runtime.manifest, fallback),
+        "family": runtime.manifest.model_type,
+        "moe_layers": len(layers),
+        "experts": max((x.num_experts for x in layers), default=0),
+        "top_k": get_family(config).top_k(config),
+    }
+
+
+@functools.cache
+def _config(directory: str) -> dict:
+    return load_config(Path(directory))
 
 
 def snapshot(server: Served) -> dict:
@@ -150,6 +190,7 @@ def snapshot(server: Served) -> dict:
     out["layers"] = [layer_view(m, s, visible) for m in streaming_layers(model)]
     out["host_tier"] = tier_view(s)
     out["memory"] = memory_view(server)
+    out["about"] = model_view(model, server.model_id)
     return out
 
 

@@ -9,13 +9,17 @@ handler by `answer`.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler
 from importlib import resources
 
 from .live import Served, parse_query, snapshot, stream_events
 
-__all__ = ["PATHS", "answer", "page_file", "parse_query", "snapshot", "stream_events"]
+__all__ = [
+    "PATHS", "answer", "page_file", "parse_query", "quiet_requests", "snapshot",
+    "stream_events",
+]  # fmt: skip
 
 # What `answer` serves besides the page's files (/static/NAME).
 PATHS = ("/", "/stats", "/stats/stream")
@@ -41,6 +45,15 @@ def page_file(path: str) -> tuple[bytes, str] | None:
     if kind is None or not f.is_file():
         return None
     return f.read_bytes(), kind
+
+
+def quiet_requests(record: logging.LogRecord) -> bool:
+    """A root-logger filter: mlx_lm.server's INFO lines of each request (its
+    prompt cache, prefill progress) pass only at DEBUG (-vv)."""
+    per_request = record.name == "root" and record.levelno == logging.INFO
+    if not per_request or not record.pathname.endswith("mlx_lm/server.py"):
+        return True
+    return logging.getLogger().getEffectiveLevel() <= logging.DEBUG
 
 
 def answer(

@@ -20,7 +20,7 @@ from mlx_lm.utils import load_config
 from ..families import get_family
 from ..runtime import BudgetError, RuntimeConfig, load
 from ..runtime.loader import PREFILL_STEP, MemoryPlan, Shard, budget_for, plan_for
-from ..units import human_bytes
+from ..units import count, human_bytes
 
 # Without --decode-concurrency: as many sequences at once as the budget holds,
 # up to this many (each one more routes a decode step to up to top-k more experts).
@@ -91,10 +91,10 @@ class ServePlan:
     budget: int | None
 
     def describe(self, plan: MemoryPlan) -> str:
-        h = human_bytes
+        h, entries = human_bytes, count(self.prompt_cache_entries, "sequence")
         return (
-            f"server plan: {self.decode_concurrency} sequences decoded at once, "
-            f"prompt cache of up to {self.prompt_cache_entries} sequences in "
+            f"server plan: {count(self.decode_concurrency, 'sequence')} decoded at "
+            f"once, prompt cache of up to {entries} in "
             f"{h(self.prompt_cache_bytes)} ({h(self.kv_per_sequence)} per "
             f"{self.runtime.context} tokens); model "
             + plan.describe().removeprefix("memory plan: ")

@@ -4,6 +4,7 @@
 
 const $ = (id) => document.getElementById(id);
 const HISTORY = 160; // samples each chart keeps
+const MIN_WINDOW = 8; // the fewest samples a chart's width spans
 const MIB = 1 << 20;
 
 function human(n) {
@@ -156,7 +157,9 @@ $("clear").addEventListener("click", () => {
 
 // ---- live panel ----
 
-const live = { last: null, hit: [], tps: [], disk: [], fill: [], layers: [] };
+const live = {
+  last: null, times: [], hit: [], tps: [], disk: [], fill: [], layers: [], peakRss: 0,
+};
 
 function push(series, value) {
   series.push(value);
@@ -180,21 +183,36 @@ function fitCanvas(canvas, height) {
   return [ctx, width, height];
 }
 
-function drawChart(canvas, seriesList, colors, fixedMax) {
+// The first sample with tokens or routed experts: the charts' windows start there.
+function firstActive() {
+  let first = live.times.length;
+  live.tps.forEach((v, i) => {
+    if (i < first && ((v ?? 0) > 0 || live.hit[i] !== null)) first = i;
+  });
+  return Math.max(0, Math.min(first, live.times.length - MIN_WINDOW));
+}
+
+// Lines over the samples from `start` on, the newest at the right edge.
+function drawChart(canvas, seriesList, colors, fixedMax, start) {
   const [ctx, w, h] = fitCanvas(canvas, 90);
-  const values = seriesList.flat().filter((v) => v !== null);
+  const shown = seriesList.map((s) => s.slice(start));
+  const values = shown.flat().filter((v) => v !== null);
   const max = fixedMax ?? Math.max(1e-9, ...values) * 1.1;
+  const span = Math.max(1, shown[0].length - 1); // the window: the samples shown
+  const offset = shown[0].length === 1 ? 1 : 0;
   ctx.strokeStyle = "#2c3039";
   ctx.strokeRect(0.5, 0.5, w - 1, h - 1);
-  seriesList.forEach((series, i) => {
+  let firstX = null;
+  shown.forEach((series, i) => {
     ctx.strokeStyle = colors[i];
+    ctx.fillStyle = colors[i];
     ctx.lineWidth = 1.5;
     ctx.beginPath();
     let drawing = false;
-    const offset = HISTORY - series.length; // the newest sample at the right
     series.forEach((v, x) => {
       if (v === null) { drawing = false; return; }
-      const px = ((offset + x) / (HISTORY - 1)) * w, py = h - 4 - (v / max) * (h - 8);
+      const px = ((offset + x) / span) * w, py = h - 4 - (v / max) * (h - 8);
+      if (firstX === null || px < firstX) firstX = px;
       if (drawing) ctx.lineTo(px, py); else ctx.moveTo(px, py);
       drawing = true;
     });
@@ -203,6 +221,16 @@ function drawChart(canvas, seriesList, colors, fixedMax) {
   ctx.fillStyle = "#8a8f99";
   ctx.font = "10px system-ui";
   ctx.fillText(fixedMax ? "100%" : max.toPrecision(3), 4, 11);
+  canvas.dataset.samples = String(shown[0].length);
+  canvas.dataset.firstX = firstX === null ? "" : firstX.toFixed(1);
+  canvas.dataset.width = String(w);
+}
+
+function drawScales() {
+  const stops = [0, 0.25, 0.5, 0.75, 1].map((v) => heat(Math.sqrt(v)));
+  for (const ramp of document.querySelectorAll(".scale .ramp")) {
+    ramp.style.background = `linear-gradient(to right, ${stops.join(", ")})`;
+  }
 }
 
 function heat(v) {
@@ -311,21 +339,45 @@ function drawBar(el, parts, total, marker) {
   el.replaceChildren(...spans);
 }
 
+// What the plan holds, in the order the budget is spent; the last: the
+// prompt cache's bound (the part of it in use is drawn brighter).
+function memoryParts(m) {
+  const unused = Math.max(0, (m.prompt_cache_limit ?? 0) - m.prompt_cache);
+  return [
+    ["process", m.process, "#6b7280", "Python, MLX, tokenizer (rounded up)"],
+    ["dense", m.dense, "#5fb3ff", "attention, norms, embeddings, routers"],
+    ["KV", m.kv_cache, "#7bd88f", "KV cache, planned for the context"],
+    ["activations", m.activations + m.staging, "#4fc1b0", "a prefill chunk, staging"],
+    ["slots", m.experts, "#ffb454", "expert slots"],
+    ["reserve", m.reserve, "#8f5b5b", "allocator slack"],
+    ["prompt cache", m.prompt_cache, "#c792ea", "prompt cache in use"],
+    ["prompt cache free", unused, "#4a3a5c", "prompt cache's room left"],
+  ].filter(([, value]) => value > 0);
+}
+
 function showMemory(m) {
   // against the budget when there is one; the white line: resident memory now
   const total = m.budget || Math.max(m.planned, m.rss);
-  drawBar($("memory-bar"), [
-    [m.dense, "#5fb3ff", "dense weights"],
-    [m.experts, "#ffb454", "expert slots"],
-    [m.kv_cache, "#7bd88f", "KV cache (planned)"],
-    [m.prompt_cache, "#c792ea", "prompt cache"],
-    [m.other, "#6b7280", "process, activations, staging, reserve"],
-  ], total, [m.rss, "resident now"]);
+  const parts = memoryParts(m);
+  drawBar($("memory-bar"), parts.map(([name, v, color, note]) => [v, color, `${name}: ${note}`]),
+    total, [m.rss, "resident now"]);
+  $("memory-keys").replaceChildren(...parts.map(([name, value, color, note]) => {
+    const key = document.createElement("span");
+    key.dataset.part = name;
+    key.dataset.value = String(value);
+    key.title = note;
+    const box = document.createElement("b");
+    box.style.background = color;
+    key.append(box, `${name} ${human(value)}`);
+    return key;
+  }));
+  live.peakRss = Math.max(live.peakRss, m.peak_rss, m.rss);
   const budget = m.budget ? `of budget ${human(m.budget)}` : "(no budget)";
   $("memory").textContent =
-    `plan ${human(m.planned)} ${budget} · RSS ${human(m.rss)} (peak ${human(m.peak_rss)}) · ` +
-    `MLX ${human(m.mlx_active)} (peak ${human(m.mlx_peak)}) · prompt cache ${human(m.prompt_cache)}`;
+    `plan ${human(m.planned)} ${budget} · RSS ${human(m.rss)} (peak ${human(live.peakRss)}) · ` +
+    `MLX ${human(m.mlx_active)} (peak ${human(m.mlx_peak)})`;
   $("memory").dataset.rss = String(m.rss);
+  $("memory").dataset.peak = String(live.peakRss);
 }
 
 function showTier(tier) {
@@ -378,17 +430,34 @@ function addSamples(s, last) {
   const tokens = s.requests.generation_tokens - last.requests.generation_tokens;
   const x = s.experts, p = last.experts;
   const routed = x.hits + x.misses - p.hits - p.misses;
+  push(live.times, s.time);
   push(live.hit, routed > 0 ? (x.hits - p.hits) / routed : null);
   push(live.tps, dt > 0 ? tokens / dt : null);
   push(live.disk, tokens > 0 ? (x.bytes_read - p.bytes_read) / tokens / MIB : null);
   push(live.fill, tokens > 0 ? (x.fill_bytes - p.fill_bytes) / tokens / MIB : null);
-  drawChart($("chart-hit"), [live.hit], ["#5fb3ff"], 1);
-  drawChart($("chart-tps"), [live.tps], ["#7bd88f"]);
-  drawChart($("chart-mb"), [live.disk, live.fill], ["#ffb454", "#c792ea"]);
+  const start = firstActive();
+  drawChart($("chart-hit"), [live.hit], ["#5fb3ff"], 1, start);
+  drawChart($("chart-tps"), [live.tps], ["#7bd88f"], undefined, start);
+  drawChart($("chart-mb"), [live.disk, live.fill], ["#ffb454", "#c792ea"], undefined, start);
+  const seconds = live.times[live.times.length - 1] - live.times[start];
+  $("window").textContent =
+    `charts: the last ${seconds.toFixed(1)} s, from the first sample with tokens (${HISTORY} samples at most)`;
+  $("window").dataset.seconds = seconds.toFixed(2);
+}
+
+function showAbout(s) {
+  const a = s.about;
+  $("model").textContent = a?.name ?? s.model;
+  $("model").dataset.name = a?.name ?? s.model;
+  if (!a) return;
+  const topK = a.top_k ? `, top-${a.top_k}` : "";
+  const backend = s.backend ? ` · ${s.backend.describe}` : "";
+  $("about").textContent =
+    `${a.family} · ${a.moe_layers} MoE layers of ${a.experts} experts${topK} · served as "${s.model}"${backend}`;
 }
 
 function show(s) {
-  $("model").textContent = s.model;
+  showAbout(s);
   showNumbers(s);
   showNote(s);
   if (!s.experts) return;
@@ -415,4 +484,5 @@ function connect() {
   };
 }
 
+drawScales();
 connect();
