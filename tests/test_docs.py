@@ -109,7 +109,8 @@ def _segments(text: str) -> list[tuple[int, str, bool]]:
 
 def test_flags_named_in_docs_exist() -> None:
     problems = []
-    for page in PAGES:
+    # docs/history/ records what was run then, in the flags of that day
+    for page in [p for p in PAGES if "history" not in p.parts]:
         for number, piece, code in _segments(page.read_text()):
             commands = list(COMMAND.finditer(piece)) if code else []
             for match in FLAG.finditer(piece):
