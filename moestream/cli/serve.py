@@ -125,6 +125,13 @@ def _size(ctx, param, value: str | None) -> int | None:
     type=int,
 )
 @click.option(
+    "--max-body",
+    default="4M",
+    show_default=True,
+    callback=_size,
+    help="Largest request body; a larger one gets 413 before it is read.",
+)
+@click.option(
     "--trace",
     "trace_file",
     default=None,

@@ -10,6 +10,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,9 @@ from mlx_lm.server import (
 )
 
 from ..generate import chat_template_text
-from ..runtime import RuntimeConfig, runtime_of
+from ..runtime import ExpertReadError, RuntimeConfig, runtime_of
 from . import page
+from .faults import RecordFaults
 from .metrics import PATHS, ServerMetrics, _Counted, render_metrics
 from .provider import (
     RequestError,
@@ -37,11 +39,32 @@ log = logging.getLogger(__name__)
 
 # mlx_lm.server's log lines (it logs each request at info, its default level).
 LOG_FORMAT = "%(asctime)s - %(levelname)s - %(message)s"
+# How long a refused body is read and dropped after its 413 is sent.
+LINGER_SECONDS = 1.0
+
+
+class _Answers:
+    """A request's response queue as the generation loop sees it: it knows
+    whether the request was answered yet, and whether it has ended."""
+
+    def __init__(self, queue, request, args) -> None:
+        self.queue = queue
+        self.original = (queue, request, args)
+        self.answered = False
+        self.ended = False
+
+    def put(self, item) -> None:
+        self.answered = True
+        self.ended = self.ended or item is None or isinstance(item, Exception)
+        self.queue.put(item)
 
 
 class StreamingResponseGenerator(ResponseGenerator):
     """mlx_lm.server's generator: at most `concurrency` requests in flight (each
-    holds a KV cache), every request within `context` tokens, and counted."""
+    holds a KV cache), every request within `context` tokens, and counted.
+
+    A record that fails its read fails the requests of the batch step that
+    read it; the requests not started yet are served by the next loop."""
 
     def __init__(
         self,
@@ -50,11 +73,42 @@ class StreamingResponseGenerator(ResponseGenerator):
         context: int,
         concurrency: int,
         metrics: ServerMetrics,
+        faults: RecordFaults,
     ) -> None:
         self.context = context
         self.metrics = metrics
+        self.faults = faults
         self._admit = threading.BoundedSemaphore(concurrency)
+        self._taken: weakref.WeakSet[_Answers] = weakref.WeakSet()
         super().__init__(provider, prompt_cache)  # starts the generation thread
+
+    def _next_request(self, timeout=None):
+        request = super()._next_request(timeout)
+        if request is None:
+            return None
+        answers = _Answers(*request)
+        self._taken.add(answers)
+        return answers, *request[1:]
+
+    def _generate(self) -> None:
+        while True:
+            try:
+                return super()._generate()
+            except ExpertReadError as e:  # mlx_lm's loop ends; start it again
+                log.error("a request failed: %s", " ".join(str(e).split()))
+                self.faults.report(e)
+                self._fail_taken(e)
+
+    def _fail_taken(self, error: ExpertReadError) -> None:
+        """Fail the requests the failed step was answering; queue the rest again."""
+        taken, self._taken = list(self._taken), weakref.WeakSet()
+        for answers in taken:
+            if answers.ended:
+                continue
+            if answers.answered:
+                answers.put(error)
+            else:  # taken from the queue, not started: nothing of it ran
+                self.requests.put(answers.original)
 
     def _tokenize(self, tokenizer, request, args):
         try:
@@ -117,9 +171,89 @@ class StreamingAPIHandler(APIHandler):
         super().__init__(server_state.generator, *args, **kwargs)
 
     def send_response(self, code: int, message: str | None = None) -> None:
-        path = getattr(self, "path", "").partition("?")[0]  # unset: a bad request line
-        self.server_state.metrics.response(path if path in PATHS else "other", code)
+        self._status = code  # counted when the headers go out (end_headers)
         super().send_response(code, message)
+
+    def end_headers(self) -> None:
+        path = getattr(self, "path", "").partition("?")[0]  # unset: a bad request line
+        status = getattr(self, "_status", 0)
+        self.server_state.metrics.response(path if path in PATHS else "other", status)
+        super().end_headers()
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except ConnectionError as e:  # the client left: one line, no traceback
+            log.info("client %s went away: %s", self.address_string(), e)
+
+    def do_POST(self) -> None:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = 0  # mlx_lm answers it
+        limit = self.server_state.options.max_body
+        if length > limit:  # refused before its body is read
+            self.close_connection = True
+            self._send_json(
+                413,
+                _error(
+                    f"The request body is {length} bytes and this server takes at "
+                    f"most {limit}; send a smaller one, or start the server with a "
+                    "larger --max-body.",
+                    "invalid_request_error",
+                    "body_too_large",
+                ),
+            )
+            self._discard(length)
+            return
+        super().do_POST()
+
+    def _discard(self, length: int) -> None:
+        """Let a client that sends its whole body before reading see the answer:
+        drop what it sends, for at most LINGER_SECONDS (as a web server lingers)."""
+        deadline = time.monotonic() + LINGER_SECONDS
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            while length > 0 and (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(left)
+                chunk = self.connection.recv(min(length, 1 << 20))
+                if not chunk:
+                    break
+                length -= len(chunk)
+        except OSError:  # the client left, or was too slow: it has the answer
+            pass
+
+    def handle_completion(self, request, stop_words) -> None:
+        try:
+            super().handle_completion(request, stop_words)
+        except ExpertReadError as e:  # the request needed a record that failed
+            body = self.server_state.faults.failed(e)
+            if self.stream:  # the 200 and some chunks are out: an error event
+                self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+                self.wfile.flush()
+            else:  # the 200 is only buffered: replace it
+                self._headers_buffer = []
+                self._send_json(500, body)
+            self.close_connection = True
+
+    def handle_health_check(self) -> None:
+        if not self.response_generator.generation_available():
+            self._send_json(503, {"status": "unavailable"})
+            return
+        bad = self.server_state.faults.bad()
+        if not bad:
+            self._send_json(200, {"status": "ok"})
+            return
+        self._send_json(
+            200,
+            {
+                "status": "degraded",
+                "message": f"{len(bad)} expert records fail their read or "
+                f"checksum; run `moestream verify {self.server_state.directory}`.",
+                "bad_records": [b.as_dict() for b in bad],
+            },
+        )
 
     def _set_completion_headers(self, status_code: int = 200):
         if status_code == 404:  # mlx_lm answers 404 to every generation error
@@ -198,9 +332,16 @@ class StreamingAPIHandler(APIHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
 
+def _error(message: str, kind: str, code: str) -> dict:
+    """An error body in the OpenAI API's format."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
 def _status_of(error: BaseException | None, default: int) -> int:
     if isinstance(error, RequestError):
         return error.status
+    if isinstance(error, ExpertReadError):
+        return 500
     if isinstance(error, RuntimeError):  # the generation thread is gone
         return 503
     return 500 if error is not None else default
@@ -248,6 +389,7 @@ class Server:
         }
         self.created = int(time.time())
         self.metrics = ServerMetrics()
+        self.faults = RecordFaults(self.directory)
         self.prompt_cache = LRUPromptCache(
             self.plan.prompt_cache_entries, self.plan.prompt_cache_bytes
         )
@@ -260,6 +402,7 @@ class Server:
             self.plan.runtime.context,
             self.plan.decode_concurrency,
             self.metrics,
+            self.faults,
         )
         self._thread: threading.Thread | None = None
         self.provider.loaded.wait()
@@ -344,7 +487,7 @@ class Server:
 
     def metrics_text(self) -> str:
         return render_metrics(
-            self.metrics, self.model, self.plan.budget, self.prompt_cache
+            self.metrics, self.model, self.plan.budget, self.prompt_cache, self.faults
         )
 
 
