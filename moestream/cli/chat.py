@@ -16,9 +16,13 @@ from ..chat import Conversation
 from ..errors import user_errors
 from ..generate import chat_template_text
 from ..options import CONTEXT, common_options, engine_options
-from ..runtime import RuntimeConfig, load, runtime_of, stats
+from ..runtime import ExpertReadError, RuntimeConfig, load, runtime_of, stats
 
 HELP = "commands: q quit, r reset the conversation, h help"
+READ_ERROR_HINT = (
+    "This message was dropped, the conversation goes on from before it; "
+    "`moestream verify OUT` checks the model."
+)
 # RuntimeConfig fields a chat sets its own way: one conversation, no trace.
 ENGINE_EXCLUDED = ("record_trace", "concurrency")
 
@@ -127,6 +131,10 @@ def _converse(
             turn = chat.say(query, max_tokens, sampler, show)
         except ValueError as e:  # a full conversation: say so, keep chatting
             echo(f"error: {' '.join(str(e).split())}", err=True)
+            continue
+        except ExpertReadError as e:  # this turn fails; the conversation goes on
+            echo(err=True)
+            echo(f"error: {' '.join(str(e).split())} {READ_ERROR_HINT}", err=True)
             continue
         echo()
         s = stats(chat.model)
