@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import mmap
@@ -198,3 +199,34 @@ def tiny_converted(root: Path, bits: str, geometry: dict) -> tuple[Path, Path]:
     out = root / "out"
     convert(str(hf), out, bits=bits, progress=False)
     return hf, out
+
+
+def fail_reads(model: nn.Module, layer: int, expert: int, count: int) -> None:
+    """Make the next `count` reads of record (`layer`, `expert`) fail with EIO
+    (a negative count takes back failures not spent yet).
+
+    For now a test-only patch of the python engine's blob reader, under the
+    store's own error wrapping; the native engine has no read hook yet, so its
+    variants skip (the record source's fault-injection hook replaces this).
+    """
+    from moestream.runtime import runtime_of
+
+    rt = runtime_of(model)
+    if rt.config.engine_used != "python":
+        import pytest
+
+        pytest.skip("fail_reads: only the python engine's reads can fail on demand")
+    reader = rt.store.readers[layer]
+    failing = reader.__dict__.setdefault("failing", {})
+    failing[expert] = failing.get(expert, 0) + count
+    if "readv" in reader.__dict__:
+        return  # patched already: the counts above are its state
+    real = reader.readv
+
+    def readv(e: int, buffers) -> None:
+        if failing.get(e, 0) > 0:  # spent one by one
+            failing[e] -= 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(e, buffers)
+
+    reader.readv = readv
