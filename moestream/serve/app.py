@@ -143,7 +143,15 @@ class StreamingResponseGenerator(ResponseGenerator):
             self.metrics.stop()
             self._admit.release()
 
-        return ctx, _Counted(responses, self.metrics, done)
+        counted = _Counted(responses, self.metrics, done)
+        stop = ctx.stop
+
+        def stopped() -> None:  # the handler is done with it, however it ended
+            stop()
+            counted.close()
+
+        ctx.stop = stopped
+        return ctx, counted
 
     def stop_and_join(self) -> None:
         super().stop_and_join()
@@ -184,7 +192,7 @@ class StreamingAPIHandler(APIHandler):
         try:
             super().handle()
         except ConnectionError as e:  # the client left: one line, no traceback
-            log.info("client %s went away: %s", self.address_string(), e)
+            log.info("client %s went away: %s", self.address_string(), str(e))
 
     def do_POST(self) -> None:
         try:
