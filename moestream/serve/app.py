@@ -18,6 +18,8 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import (
     APIHandler,
+    GenerationContext,
+    Response,
     ResponseGenerator,
     get_system_fingerprint,
 )
@@ -44,18 +46,55 @@ LINGER_SECONDS = 1.0
 
 
 class _Answers:
-    """A request's response queue as the generation loop sees it: it knows
-    whether the request was answered yet, and whether it has ended."""
+    """A request's response queue as the generation loop sees it: what it was
+    answered so far, and whether it has ended.
+
+    A request served again after a failed step is answered anew from its
+    start: its second context is not passed on (its stop is), and the tokens
+    the client has already are checked and dropped; one that differs ends the
+    request with the step's error, so no client gets a text it was not sent.
+    """
 
     def __init__(self, queue, request, args) -> None:
-        self.queue = queue
-        self.original = (queue, request, args)
-        self.answered = False
+        self.queue, self._request, self.args = queue, request, args
+        self.ctx: GenerationContext | None = None
+        self.answered = False  # anything put: a context, progress, tokens
+        self.sent: list[int] = []  # the tokens passed on
         self.ended = False
+        self.error: ExpertReadError | None = None  # set: served again, alone
+        self._again: GenerationContext | None = None
+        self._resent: list[int] = []  # `sent` when served again: checked, dropped
+
+    @property
+    def request(self) -> tuple:
+        """What the generation loop takes from its queue."""
+        return self, self._request, self.args
+
+    def again(self, error: ExpertReadError) -> None:
+        self.error, self._again, self._resent = error, None, list(self.sent)
 
     def put(self, item) -> None:
+        if self.ended:
+            return
         self.answered = True
-        self.ended = self.ended or item is None or isinstance(item, Exception)
+        if isinstance(item, GenerationContext) and self.ctx is not None:
+            self._again = item  # the handler holds the first one
+            stop = self.ctx.stop
+            self.ctx.stop = lambda: (stop(), item.stop())
+            if self.ctx._should_stop:  # the client left already
+                item.stop()
+            return
+        if isinstance(item, Response) and self._resent:
+            if item.token == self._resent.pop(0):
+                return
+            item = self.error  # another text than the client has: fail it
+            if self._again is not None:
+                self._again.stop()
+        if isinstance(item, GenerationContext):
+            self.ctx = item
+        if isinstance(item, Response):
+            self.sent.append(item.token)
+        self.ended = item is None or isinstance(item, Exception)
         self.queue.put(item)
 
 
@@ -63,8 +102,12 @@ class StreamingResponseGenerator(ResponseGenerator):
     """mlx_lm.server's generator: at most `concurrency` requests in flight (each
     holds a KV cache), every request within `context` tokens, and counted.
 
-    A record that fails its read fails the requests of the batch step that
-    read it; the requests not started yet are served by the next loop."""
+    A record that fails its read ends mlx_lm's loop in the batch step that read
+    it; the loop starts again. The step's requests are served again one at a
+    time (greedy ones, and sampled ones that had no token yet; other sampled
+    ones fail), so only the one that needs the record fails; requests not
+    started are served as they were.
+    """
 
     def __init__(
         self,
@@ -80,35 +123,50 @@ class StreamingResponseGenerator(ResponseGenerator):
         self.faults = faults
         self._admit = threading.BoundedSemaphore(concurrency)
         self._taken: weakref.WeakSet[_Answers] = weakref.WeakSet()
+        self._alone: dict[int, _Answers] = {}  # by id of their arguments
         super().__init__(provider, prompt_cache)  # starts the generation thread
 
     def _next_request(self, timeout=None):
         request = super()._next_request(timeout)
         if request is None:
             return None
-        answers = _Answers(*request)
+        answers = request[0]
+        if not isinstance(answers, _Answers):  # else: queued again by _fail_taken
+            answers = _Answers(*request)
         self._taken.add(answers)
-        return answers, *request[1:]
+        return answers.request
+
+    def _is_batchable(self, args) -> bool:
+        alone = self._alone.get(id(args))
+        if alone is not None and alone.args is args and not alone.ended:
+            return False
+        return super()._is_batchable(args)
 
     def _generate(self) -> None:
         while True:
             try:
                 return super()._generate()
             except ExpertReadError as e:  # mlx_lm's loop ends; start it again
-                log.error("a request failed: %s", " ".join(str(e).split()))
+                log.error("a batch step failed: %s", " ".join(str(e).split()))
                 self.faults.report(e)
                 self._fail_taken(e)
 
     def _fail_taken(self, error: ExpertReadError) -> None:
-        """Fail the requests the failed step was answering; queue the rest again."""
+        """Settle the requests the loop had taken when a step failed."""
         taken, self._taken = list(self._taken), weakref.WeakSet()
+        self._alone = {k: a for k, a in self._alone.items() if not a.ended}
         for answers in taken:
             if answers.ended:
                 continue
-            if answers.answered:
+            greedy = answers.args.sampling.temperature == 0
+            if not answers.answered:  # not started: nothing of it ran
+                self.requests.put(answers.request)
+            elif answers.error is None and (greedy or not answers.sent):
+                answers.again(error)  # alone: it fails only if it needs the record
+                self._alone[id(answers.args)] = answers
+                self.requests.put(answers.request)
+            else:
                 answers.put(error)
-            else:  # taken from the queue, not started: nothing of it ran
-                self.requests.put(answers.original)
 
     def _tokenize(self, tokenizer, request, args):
         try:
