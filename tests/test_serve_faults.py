@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import socket
 import threading
 import time
@@ -23,12 +24,14 @@ import pytest
 from click.testing import CliRunner
 from helpers import corrupt_layer, fail_reads, parse_metrics
 from mlx_lm.generate import stream_generate
+from mlx_lm.server import GenerationContext, Response
 from mlx_lm.utils import load_tokenizer
 
 from moestream.cli.chat import chat_cmd
 from moestream.formats import load_manifest
 from moestream.runtime import ExpertReadError, RuntimeConfig, native
 from moestream.serve import Server, ServerOptions
+from moestream.serve.app import _Answers
 from moestream.serve.faults import CHECK_INTERVAL
 
 TIMEOUT = 30  # seconds, for every request here
@@ -287,13 +290,14 @@ def test_oversized_body_is_refused_at_once(converted, alone) -> None:
                 model="model", prompt="x" * (2 << 20), max_tokens=1
             )
         assert e.value.status_code == 413
+        with socket.create_connection(server.httpd.server_address[:2], TIMEOUT) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.0 400 ")  # not read to EOF
         assert ask(client_of(server), "def add", False) == alone["def add"]
-        assert (
-            metrics(server)[
-                'moestream_http_requests_total{path="/v1/chat/completions",code="413"}'
-            ]
-            == 1
+        chat_413 = (
+            'moestream_http_requests_total{path="/v1/chat/completions",code="413"}'
         )
+        assert metrics(server)[chat_413] == 1
 
 
 def test_chat_turn_fails_and_the_conversation_goes_on(converted) -> None:
@@ -341,3 +345,34 @@ def test_chat_cli_says_the_read_error_and_goes_on(copy, monkeypatch) -> None:
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert errors and all("fails its checksum" in x for x in errors)
     assert all("the conversation goes on" in x for x in errors)
+
+
+def test_a_request_served_again_sends_each_token_once_or_fails() -> None:
+    """The protocol of a request served again after a failed step: its second
+    context and the tokens its client has are dropped; a token that differs
+    ends it with the step's error, and stops the second answer."""
+
+    def ctx() -> GenerationContext:
+        return GenerationContext(False, False, None, None, "normal", [1, 2])
+
+    def token(t: int) -> Response:
+        return Response(str(t), t, 0.0, None, ())
+
+    for again, want_tail in (([5, 6, 7], [7, None]), ([5, 9, 7], ["error"])):
+        q: queue.Queue = queue.Queue()
+        answers = _Answers(q, "request", "args")
+        first = ctx()
+        for item in (first, token(5), token(6)):
+            answers.put(item)
+        error = ExpertReadError("Expert 3 of layer 2 ... fails its checksum")
+        answers.again(error)
+        second = ctx()
+        for item in (second, *map(token, again), None):
+            answers.put(item)
+        got = [q.get_nowait() for _ in range(q.qsize())]
+        assert got[0] is first and [r.token for r in got[1:3]] == [5, 6]
+        tail = [r.token if isinstance(r, Response) else r for r in got[3:]]
+        assert tail == [error if w == "error" else w for w in want_tail]
+        assert second._should_stop == (want_tail == ["error"])
+        first.stop()  # the handler's stop reaches the second answer too
+        assert second._should_stop

@@ -257,6 +257,17 @@ class StreamingAPIHandler(APIHandler):
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = 0  # mlx_lm answers it
+        if length < 0:  # mlx_lm would read until the client closes
+            self.close_connection = True
+            self._send_json(
+                400,
+                _error(
+                    "Invalid Content-Length header",
+                    "invalid_request_error",
+                    "bad_content_length",
+                ),
+            )
+            return
         limit = self.server_state.options.max_body
         if length > limit:  # refused before its body is read
             self.close_connection = True
@@ -294,7 +305,8 @@ class StreamingAPIHandler(APIHandler):
         try:
             super().handle_completion(request, stop_words)
         except ExpertReadError as e:  # the request needed a record that failed
-            body = self.server_state.faults.failed(e)
+            message = self.server_state.faults.failed(e)
+            body = _error(message, "server_error", "expert_read_error")
             if self.stream:  # the 200 and some chunks are out: an error event
                 self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
                 self.wfile.flush()

@@ -74,24 +74,16 @@ class RecordFaults:
                 file = self._layers[key[0]].file
                 self._bad[key] = BadRecord(*key, file, _one_line(error))
 
-    def failed(self, error: ExpertReadError) -> dict:
-        """The OpenAI error body of a request that `error` failed."""
+    def failed(self, error: ExpertReadError) -> str:
+        """Count a request that `error` failed; the message to answer it with."""
         self.report(error)
         with self._lock:
             self.failed_requests += 1
-        message = (
+        return (
             f"{_one_line(error)} Check the model with `moestream verify "
             f"{self.directory}`; a record repaired on disk is read again, "
             "no restart needed."
         )
-        return {
-            "error": {
-                "message": message,
-                "type": "server_error",
-                "param": None,
-                "code": "expert_read_error",
-            }
-        }
 
     def bad(self) -> list[BadRecord]:
         """The records still bad, each checked on disk again (rate-limited)."""
