@@ -376,3 +376,82 @@ def test_a_request_served_again_sends_each_token_once_or_fails() -> None:
         assert second._should_stop == (want_tail == ["error"])
         first.stop()  # the handler's stop reaches the second answer too
         assert second._should_stop
+
+
+@pytest.mark.slow
+def test_pipeline_rank_with_a_bad_record_stops_every_rank(copy) -> None:
+    """serve --pipeline on 2 ranks: a record of rank 1's layers goes bad under
+    it; rank 1 says so in one line, rank 0 that the pipeline broke; no hang."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from moestream.pipeline import stages
+
+    bin_dir = Path(sys.executable).parent
+    port, ring = free_port(), free_port(2)
+    args = [str(bin_dir / "mlx.launch"), "-n", "2", "--backend", "ring"]
+    args += ["--starting-port", str(ring), "--", str(bin_dir / "moestream")]
+    args += ["serve", str(copy), "--pipeline", "--port", str(port)]
+    args += ["--cache-experts", "2", "--log-level", "WARNING"]
+    p = subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ready, lines = threading.Event(), []
+
+    def read() -> None:
+        for line in p.stderr:
+            lines.append(line)
+            if "serving" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(120), "".join(lines)
+        owned = stages(copy, 2)[1].layers
+        for layer in load_manifest(copy).layers:
+            if layer.layer in owned:
+                corrupt_layer(copy, layer)  # after load: read on the next miss
+        body = json.dumps({"prompt": "def add", "max_tokens": 12}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {}
+        )
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(request, timeout=60).read()
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    text = "".join(lines)
+    ones = [x for x in text.splitlines() if x.startswith("error: rank ")]
+    assert any(
+        x.startswith("error: rank 1: ") and "fails its checksum" in x for x in ones
+    )
+    assert any(x.startswith("error: rank 0: the pipeline broke") for x in ones), text
+
+
+def free_port(n: int = 1) -> int:
+    """A first port of `n` consecutive free ones (the ring listens on each)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65536 and all(_free(base + i) for i in range(1, n)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from contextlib import nullcontext
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from mlx_lm.server import (
 )
 
 from ..generate import chat_template_text
+from ..pipeline import PipelineError, init, lost_peers
 from ..runtime import ExpertReadError, RuntimeConfig, runtime_of
 from . import page
 from .faults import RecordFaults
@@ -124,6 +127,8 @@ class StreamingResponseGenerator(ResponseGenerator):
         self._admit = threading.BoundedSemaphore(concurrency)
         self._taken: weakref.WeakSet[_Answers] = weakref.WeakSet()
         self._alone: dict[int, _Answers] = {}  # by id of their arguments
+        self.fatal: OSError | ValueError | None = None  # a pipeline rank's end
+        self.on_fatal: Callable[[], None] = lambda: None
         super().__init__(provider, prompt_cache)  # starts the generation thread
 
     def _next_request(self, timeout=None):
@@ -143,13 +148,33 @@ class StreamingResponseGenerator(ResponseGenerator):
         return super()._is_batchable(args)
 
     def _generate(self) -> None:
+        peers = lost_peers(init()) if self._is_distributed else nullcontext()
         while True:
             try:
-                return super()._generate()
+                with peers:
+                    return super()._generate()
             except ExpertReadError as e:  # mlx_lm's loop ends; start it again
                 log.error("a batch step failed: %s", " ".join(str(e).split()))
                 self.faults.report(e)
+                if self._is_distributed:  # the other ranks wait inside the step
+                    return self._stop_pipeline(
+                        ExpertReadError(
+                            f"rank {self._rank}: {' '.join(str(e).split())} A "
+                            "pipeline stops at a bad record: check the model with "
+                            f"`moestream verify {self.faults.directory}`, then "
+                            "start it again."
+                        )
+                    )
                 self._fail_taken(e)
+            except PipelineError as e:  # another rank stopped
+                return self._stop_pipeline(e)
+
+    def _stop_pipeline(self, error: OSError | ValueError) -> None:
+        """End this rank: the others wait in the failed step for it, and
+        mlx.launch ends them once it is gone. The server raises `fatal`."""
+        self.fatal = error
+        self._generation_failed = True
+        self.on_fatal()
 
     def _fail_taken(self, error: ExpertReadError) -> None:
         """Settle the requests the loop had taken when a step failed."""
@@ -306,14 +331,23 @@ class StreamingAPIHandler(APIHandler):
             super().handle_completion(request, stop_words)
         except ExpertReadError as e:  # the request needed a record that failed
             message = self.server_state.faults.failed(e)
-            body = _error(message, "server_error", "expert_read_error")
-            if self.stream:  # the 200 and some chunks are out: an error event
-                self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
-                self.wfile.flush()
-            else:  # the 200 is only buffered: replace it
-                self._headers_buffer = []
-                self._send_json(500, body)
-            self.close_connection = True
+            self._fail(500, _error(message, "server_error", "expert_read_error"))
+        except RuntimeError:  # mlx_lm's: the generation thread is gone
+            if self.response_generator.generation_available():
+                raise
+            message = "The server stopped generating; see its log."
+            self._fail(503, _error(message, "server_error", "unavailable"))
+
+    def _fail(self, status: int, body: dict) -> None:
+        """End a completion whose 200 is out (streamed: an error event) or only
+        buffered (replaced by `status`)."""
+        if self.stream:
+            self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+            self.wfile.flush()
+        else:
+            self._headers_buffer = []
+            self._send_json(status, body)
+        self.close_connection = True
 
     def handle_health_check(self) -> None:
         if not self.response_generator.generation_available():
@@ -489,6 +523,11 @@ class Server:
                 raise self.provider.load_error
             # the other ranks follow rank 0's requests (mlx_lm.server's way)
             self.httpd = _bind(host, port, self) if self.rank == 0 else None
+            if self.httpd is not None:  # shutdown waits for serve_forever: a thread
+                httpd = self.httpd
+                self.generator.on_fatal = lambda: threading.Thread(
+                    target=httpd.shutdown, daemon=True
+                ).start()
         except BaseException:
             self.generator.stop_and_join()
             raise
@@ -536,10 +575,13 @@ class Server:
         return self.plan.describe(runtime_of(self.model).plan)
 
     def serve_forever(self) -> None:
+        """Serve until stopped; a pipeline rank that met a bad record raises it."""
         if self.httpd is None:
             self.generator.join()  # until rank 0 stops
-            return
-        self.httpd.serve_forever(poll_interval=0.2)
+        else:
+            self.httpd.serve_forever(poll_interval=0.2)
+        if self.generator.fatal is not None:
+            raise self.generator.fatal
 
     def start(self) -> Server:
         """Serve from a background thread (tests, notebooks)."""
