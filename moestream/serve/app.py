@@ -522,15 +522,18 @@ class Server:
             if self.provider.load_error is not None:
                 raise self.provider.load_error
             # the other ranks follow rank 0's requests (mlx_lm.server's way)
-            self.httpd = _bind(host, port, self) if self.rank == 0 else None
-            if self.httpd is not None:  # shutdown waits for serve_forever: a thread
-                httpd = self.httpd
-                self.generator.on_fatal = lambda: threading.Thread(
-                    target=httpd.shutdown, daemon=True
-                ).start()
+            self.httpd = self._listen(host, port) if self.rank == 0 else None
         except BaseException:
             self.generator.stop_and_join()
             raise
+
+    def _listen(self, host: str, port: int) -> ThreadingHTTPServer:
+        """Bind the port; a pipeline rank's end stops serving on it."""
+        httpd = _bind(host, port, self)
+        self.generator.on_fatal = lambda: threading.Thread(  # shutdown waits
+            target=httpd.shutdown, daemon=True
+        ).start()
+        return httpd
 
     def _cli_args(self, log_level: str | None) -> argparse.Namespace:
         o = self.options
