@@ -243,6 +243,7 @@ def test_a_read_that_fails_once_fails_no_request(copy, alone) -> None:
 
 
 def test_dropped_stream_is_one_log_line(converted, alone, caplog, capfd) -> None:
+    caplog.set_level(logging.INFO, "moestream.serve.app")  # before the drop
     with serve(converted, "python") as server:
         body = {"prompt": "def add", "max_tokens": CONTEXT, "stream": True}
         with socket.create_connection(server.httpd.server_address[:2], TIMEOUT) as s:
@@ -257,9 +258,8 @@ def test_dropped_stream_is_one_log_line(converted, alone, caplog, capfd) -> None
             while b"data: " not in got:  # streaming: then gone
                 got += s.recv(65536)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-        with caplog.at_level(logging.INFO, "moestream.serve.app"):
-            wait_for(lambda: metrics(server)["moestream_requests_active"] == 0)
-            wait_for(lambda: "went away" in caplog.text)
+        wait_for(lambda: metrics(server)["moestream_requests_active"] == 0)
+        wait_for(lambda: "went away" in caplog.text)
         assert ask(client_of(server), "def add", False) == alone["def add"]
     went = [r for r in caplog.records if "went away" in r.getMessage()]
     assert len(went) == 1 and "\n" not in went[0].getMessage()
