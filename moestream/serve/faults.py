@@ -58,7 +58,7 @@ class RecordFaults:
         self._lock = threading.Lock()
         self._bad: dict[tuple[int, int], BadRecord] = {}
         self._checked = 0.0
-        self.read_errors = 0  # read errors that failed requests
+        self.read_errors = 0  # read errors met while serving
         self.failed_requests = 0
         self.repaired = 0  # records that were bad and read good again on disk
 
