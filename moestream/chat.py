@@ -4,6 +4,7 @@ template (`moestream chat`: moestream/cli/chat.py)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .generate import Sampling, generate
-from .runtime import runtime_of
+from .runtime import ExpertReadError, runtime_of
 
 
 @dataclass
@@ -62,7 +63,11 @@ class Conversation:
         sampler: Callable[[mx.array], mx.array],
         on_text: Callable[[str], None] | None = None,
     ) -> Turn:
-        """Answer `message`, continuing the conversation in the prompt cache."""
+        """Answer `message`, continuing the conversation in the prompt cache.
+
+        A turn that fails on an expert record (ExpertReadError) leaves the
+        conversation as it was before the turn; the next one goes on from there.
+        """
         prompt = self.prompt(message)
         room = self.context - self.used - len(prompt)
         if room < 1:
@@ -72,9 +77,29 @@ class Conversation:
                 "with a larger --context)."
             )
         n = min(max_tokens, room)
-        gen = generate(
-            self.model, self.tokenizer, prompt, n, Sampling(), on_text, self.cache,
-            sampler=sampler,
-        )  # fmt: skip
+        before = [_snapshot(c) for c in self.cache]
+        try:
+            gen = generate(
+                self.model, self.tokenizer, prompt, n, Sampling(), on_text,
+                self.cache, sampler=sampler,
+            )  # fmt: skip
+        except ExpertReadError:
+            self.cache[:] = before  # the failed turn's keys and values are dropped
+            raise
         self.used += len(prompt) + gen.generated
         return Turn(gen.text, gen.generated, gen.generation_tps)
+
+
+def _snapshot(cache: object) -> object:
+    """A copy of one layer's cache that later updates of `cache` leave alone."""
+    snap = copy.copy(cache)
+    for name, value in vars(cache).items():
+        if isinstance(value, mx.array):  # a new array object: setitem mutates in place
+            setattr(snap, name, mx.stop_gradient(value))
+        elif isinstance(value, list):
+            setattr(snap, name, [_frozen(v) for v in value])
+    return snap
+
+
+def _frozen(value: object) -> object:
+    return mx.stop_gradient(value) if isinstance(value, mx.array) else value

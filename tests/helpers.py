@@ -198,3 +198,20 @@ def tiny_converted(root: Path, bits: str, geometry: dict) -> tuple[Path, Path]:
     out = root / "out"
     convert(str(hf), out, bits=bits, progress=False)
     return hf, out
+
+
+def fail_reads(model: nn.Module, layer: int, expert: int, count: int) -> None:
+    """Make the next `count` reads of record (`layer`, `expert`) fail with EIO,
+    through the engine's fault-injection hook (a read that fails is tried once
+    more: 1 heals, 2 fails the call); a negative count takes back failures not
+    spent yet."""
+    from moestream.runtime import runtime_of
+
+    rt = runtime_of(model)
+    pending = rt.__dict__.setdefault("_failing_reads", {})
+    n = max(0, pending.get((layer, expert), 0) + count)
+    pending[(layer, expert)] = n
+    if rt.execution.native:
+        rt.stats.native_layers[layer].inject_read_failures(expert, n)
+    else:
+        rt.store.inject_read_failures(layer, expert, n)

@@ -16,9 +16,13 @@ from ..chat import Conversation
 from ..errors import user_errors
 from ..generate import chat_template_text
 from ..options import CONTEXT, common_options, engine_options
-from ..runtime import RuntimeConfig, load, runtime_of, stats
+from ..runtime import ExpertReadError, RuntimeConfig, load, runtime_of, stats
 
 HELP = "commands: q quit, r reset the conversation, h help"
+READ_ERROR_HINT = (
+    "This message was dropped, the conversation goes on from before it; "
+    "`moestream verify OUT` checks the model."
+)
 # RuntimeConfig fields a chat sets its own way: one conversation, no trace.
 ENGINE_EXCLUDED = ("concurrency",)
 
@@ -81,7 +85,7 @@ def chat_cmd(
                 return share_line(group, _read(prompt) if group.rank() == 0 else None)
 
             with ended_by_launcher(group.rank()), lost_peers(group):
-                _converse(chat, max_tokens, temp, top_p, group.rank(), read)
+                _converse(chat, max_tokens, temp, top_p, group.rank(), read, True)
 
         user_errors(converse)
     else:
@@ -103,9 +107,11 @@ def _converse(
     top_p: float,
     rank: int = 0,
     read: Callable[[str], str | None] = _read,
+    pipeline: bool = False,
 ) -> None:
     """The terminal loop; on a pipeline's other ranks, silent (`read` gives
-    them rank 0's lines)."""
+    them rank 0's lines). A read error ends a pipeline's ranks (the others
+    wait inside the failed step), a lone chat's turn only."""
     echo = click.echo if rank == 0 else lambda *_, **__: None
     echo(runtime_of(chat.model).plan.describe(), err=True)
     echo(HELP, err=True)
@@ -127,6 +133,12 @@ def _converse(
             turn = chat.say(query, max_tokens, sampler, show)
         except ValueError as e:  # a full conversation: say so, keep chatting
             echo(f"error: {' '.join(str(e).split())}", err=True)
+            continue
+        except ExpertReadError as e:  # this turn fails; the conversation goes on
+            if pipeline:
+                raise
+            echo(err=True)
+            echo(f"error: {' '.join(str(e).split())} {READ_ERROR_HINT}", err=True)
             continue
         echo()
         s = stats(chat.model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 from typing import Any
 
 import click
@@ -125,6 +126,13 @@ def _size(ctx, param, value: str | None) -> int | None:
     type=int,
 )
 @click.option(
+    "--max-body",
+    default="4M",
+    show_default=True,
+    callback=_size,
+    help="Largest request body; a larger one gets 413 before it is read.",
+)
+@click.option(
     "--trace",
     "trace_file",
     default=None,
@@ -178,10 +186,13 @@ def serve_cmd(
         )
     # Stop on SIGTERM as on Ctrl-C; the caller's handler is back afterwards.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    failed: OSError | ValueError | None = None
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    except (OSError, ValueError) as e:  # a pipeline rank's bad record, or its peer's
+        failed = e
     finally:
         signal.signal(signal.SIGTERM, previous)
         if trace_file:  # before close, which lets go of the model
@@ -190,4 +201,7 @@ def serve_cmd(
             calls = write_trace(server.model, trace_file)
             click.echo(f"trace: {calls} MoE layer calls -> {trace_file}", err=True)
         server.close()
+    if failed is not None:
+        click.echo(f"error: {failed}", err=True)
+        sys.exit(2)
     click.echo("stopped", err=True)

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..formats import Manifest
-from ..units import human_bytes, parse_size
+from ..units import count, human_bytes, parse_size
 from . import native
 from .config import RuntimeConfig, Tuning
 from .memory import BudgetError, MemoryPlan, available_memory, plan_memory
@@ -327,8 +327,9 @@ def _plan_host_tier(
     if records < plan.capacity:  # one call's misses are read into it at once
         need = human_bytes(plan.capacity * record, up=True)
         raise BudgetError(
-            f"Host budget {human_bytes(budget)} holds {records} expert records; "
-            f"one call of {plan.capacity} slots needs {plan.capacity} ({need}): "
+            f"Host budget {human_bytes(budget)} holds "
+            f"{count(records, 'expert record')}; one call of "
+            f"{count(plan.capacity, 'slot')} needs {plan.capacity} ({need}): "
             f"give --host-budget {need} or more."
         )
     return replace(

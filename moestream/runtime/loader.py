@@ -28,6 +28,7 @@ from ..families import (
 from ..formats import ExpertLayer, FormatError, Manifest, load_manifest
 from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
+from ..units import count
 from . import native
 from .backend import ExecutionPlan, compute_dtype, resolve
 from .config import RuntimeConfig
@@ -256,8 +257,9 @@ def _check_expert_shapes(
         want = {k: tuple(v.shape[1:]) for k, v in params}
         got = {s.name: s.shape for s in layer.segments}
         if want != got or any(v.shape[0] != layer.num_experts for _, v in params):
+            experts = count(layer.num_experts, "expert")
             raise FormatError(
-                f"Layer {layer.layer}: the blob's {layer.num_experts} experts of "
+                f"Layer {layer.layer}: the blob's {experts} of "
                 f"{sorted(got.items())[:4]} do not match the model's experts "
                 f"{sorted(want.items())[:4]}; convert again."
             )

@@ -118,7 +118,7 @@ def _cast(stored: str, slot: mx.Dtype) -> int:
         return 0
     if (stored, slot) not in CASTS:
         raise NativeEngineError(
-            f"The native engine cannot turn {stored} records into {slot} slots; "
+            f"The native engine cannot turn records of {stored} into slots of {slot}; "
             "use engine='python' or the stored dtype."
         )
     return CASTS[(stored, slot)]

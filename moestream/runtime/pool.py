@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..units import count
 from .config import POLICIES, Tuning
 from .stats import RuntimeStats  # noqa: F401  (its old home)
 
@@ -86,7 +87,8 @@ class SlotPool:
         """
         if len(experts) > self.capacity:
             raise ValueError(
-                f"{len(experts)} experts do not fit {self.capacity} slots."
+                f"{count(len(experts), 'expert')} do not fit "
+                f"{count(self.capacity, 'slot')}."
             )
         wanted = [int(e) for e in experts]
         slots, misses = {}, []

@@ -4,11 +4,13 @@ mlx_lm.server does the work: its APIHandler (HTTP, SSE, tools, logprobs),
 ResponseGenerator and BatchGenerator (continuous batching), LRUPromptCache.
 What is ours: moestream's load behind its ModelProvider, a memory plan that
 counts the sequences decoded at once and the prompt cache, a context bound per
-request, /v1/models for the one served model, and /metrics.
+request, /v1/models for the one served model, /metrics, a request body bound,
+and a bad expert record failing only the requests that need it.
 
     app       the handler, the response generator, the Server
     provider  the ModelProvider and the server's memory plan
     metrics   counters and /metrics
+    faults    the records that failed their read, for /health and /metrics
     page      the page at / (static/), /stats and /stats/stream
     live      the snapshots of the runtime's stats the page draws
 """

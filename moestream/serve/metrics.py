@@ -12,6 +12,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from ..runtime import runtime_of, stats
 from ..units import peak_rss
+from .faults import RecordFaults
 from .page import PATHS as PAGE_PATHS
 
 # The paths /metrics counts responses of by name (others count as "other").
@@ -125,10 +126,13 @@ def render_metrics(
     model: nn.Module | None,
     budget: int | None,
     prompt_cache: LRUPromptCache,
+    faults: RecordFaults | None = None,
 ) -> str:
-    """Prometheus text format: requests, tokens, speed, experts, memory."""
+    """Prometheus text format: requests, tokens, speed, experts, faults, memory."""
     out = _Text()
     _requests(out, metrics)
+    if faults is not None:
+        _faults(out, faults)
     if model is not None:
         _experts(out, model, budget)
     out.one(
@@ -219,4 +223,33 @@ def _experts(out: _Text, model: nn.Module, budget: int | None) -> None:
         "gauge",
         "The server's memory budget (0: none).",
         budget or 0,
+    )
+
+
+def _faults(out: _Text, faults: RecordFaults) -> None:
+    bad = faults.bad()
+    out.one(
+        "expert_read_errors_total",
+        "counter",
+        "Expert records that failed their read or checksum while serving.",
+        faults.read_errors,
+    )
+    out.one(
+        "expert_read_failed_requests_total",
+        "counter",
+        "Requests that ended with an expert read error.",
+        faults.failed_requests,
+    )
+    out.one(
+        "expert_records_repaired_total",
+        "counter",
+        "Bad records whose bytes on disk passed their checksum again.",
+        faults.repaired,
+    )
+    out.one("expert_bad_records", "gauge", "Records still bad on disk.", len(bad))
+    out.add(
+        "expert_bad_record",
+        "gauge",
+        "1 for each record still bad on disk.",
+        [({"layer": b.layer, "expert": b.expert}, 1) for b in bad],
     )

@@ -25,6 +25,8 @@ from ..units import count, human_bytes
 # Without --decode-concurrency: as many sequences at once as the budget holds,
 # up to this many (each one more routes a decode step to up to top-k more experts).
 DEFAULT_DECODE_CONCURRENCY = 4
+# Request bodies larger than this are refused unread (a long prompt is ~1 MB).
+DEFAULT_MAX_BODY = 4 << 20
 
 
 class RequestError(ValueError):
@@ -45,6 +47,8 @@ class ServerOptions:
         sequences of `context` tokens, or half of what the budget leaves after
         the minimum for decoding, whichever is less.
     chat_template: a Jinja template, or a file that holds one.
+    max_body: the largest request body taken, in bytes (ours, not mlx_lm's):
+        a larger one is answered 413 before it is read.
     """
 
     temp: float = 0.0
@@ -64,8 +68,11 @@ class ServerOptions:
     kv_group_size: int = 64
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
     allowed_origins: tuple[str, ...] = ("*",)
+    max_body: int = DEFAULT_MAX_BODY
 
     def __post_init__(self) -> None:
+        if self.max_body < 1:
+            raise ValueError("--max-body must be at least 1 byte.")
         if self.decode_concurrency is not None and self.decode_concurrency < 1:
             raise ValueError("--decode-concurrency must be at least 1.")
         if self.prompt_concurrency < 1:
