@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Steps of a session on the GPU machine (an H200 with MLX's CUDA wheels staged
-# by ../shared/device/mlx-cuda-prepare.sh and sourced), run from a copy of
-# this checkout:
+# Steps of a session on a GPU machine (an H200 with MLX's CUDA wheels installed
+# and their environment sourced), run from a copy of this checkout:
 #   bash scripts/gpu_run.sh build         the extension with CUDA (sm_90), put
 #                                         in moestream/ (no pip install there)
 #   bash scripts/gpu_run.sh medium DIR    the medium bench model into DIR

@@ -20,8 +20,8 @@ weights), else on CPU (for a smoke test at tiny dims). Writes to --out:
 
 Corpus: *.py under sysconfig's stdlib (or --corpus-dir), sorted by path,
 without test/, tests/, idlelib/, site-packages/; the last 3 % of files are
-held out for validation and the trace, as ../shared/fixtures/tiny-qwen3-moe
-was trained. The trace is recorded with the weights of the best validation
+held out for validation and the trace, as the project's trained tiny
+qwen3-moe fixture was. The trace is recorded with the weights of the best validation
 loss seen, one causal forward per held-out sequence (the same routing per
 token as step-by-step decode), from forward hooks on every layer's router.
 """

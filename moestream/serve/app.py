@@ -494,12 +494,8 @@ class Server:
         else:
             self.plan = plan_server(directory, config or RuntimeConfig(), self.options)
         self.model_id = self.directory.resolve().name
-        self.aliases = {
-            self.model_id,
-            "default_model",
-            str(directory),
-            str(self.directory.resolve()),
-        }
+        self.aliases = {self.model_id, "default_model", str(directory)}
+        self.aliases.add(str(self.directory.resolve()))
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.faults = RecordFaults(self.directory)
