@@ -31,6 +31,7 @@ FOREIGN = {
     "budget", "cold", "steps", "warmup", "rounds", "recipes", "layout", "layers",
     "bench", "variants",  # scripts/mode_ab.py, profile_step.py, synthetic_hf.py, ...
     "minutes", "out", "no-save-model", "max-gpu-gb",  # scripts/train_router.py
+    "case", "cgroup", "limit",  # scripts/cgroup_ab.py
 }  # fmt: skip
 
 
