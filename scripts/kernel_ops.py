@@ -3,14 +3,15 @@ shapes, on the CPU kernel, for several token counts: medians in ms, and
 builds of the extension compared side by side.
 
     .venv/bin/python scripts/kernel_ops.py [--tokens 1,128,1024] [--rounds 3]
-        [--native A.so --native B.so] [--mlx]
+        [--variants A.so,B.so] [--mlx]
 
 64 experts of 512 x 1024 (gate, up) and 1024 x 512 (down), 4-bit, group 64,
 top-8 of random routing; and a 2048 x 1024 QuantizedLinear. Each round runs
 every build in a fresh process, in turn (so a change in the machine's load
 hits all alike); the table gives each build's median over the rounds of its
-per-call medians. `--native` loads that built module instead of the
-installed one; `--mlx` adds MLX's own ops (slow at many tokens).
+per-call medians. `--variants` names built modules (.so) to load instead
+of the installed one; `--mlx` adds MLX's own ops (slow at many tokens);
+`--threads 1` times CPU seconds, not wall (a loaded machine's fairer clock).
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ import time
 
 
 def median_ms(f, n: int) -> float:
+    """The median ms of n calls: wall time, or with one thread the process's
+    CPU time (what the call computed, whatever else the cores ran)."""
+    clock = time.process_time if one_thread else time.perf_counter
     times = []
+    mx.eval(f())
     for _ in range(n):
-        start = time.perf_counter()
+        start = clock()
         mx.eval(f())
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) * 1e3
 
 
@@ -39,8 +44,10 @@ def child(so: str | None, tokens: list[int], mlx: bool, threads: int) -> dict:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules["moestream._native"] = module
-    global mx
+    global mx, one_thread
     import mlx.core as mx
+
+    one_thread = threads == 1
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchGLU
 
@@ -82,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,128,1024")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--native", action="append", default=[])
+    ap.add_argument("--variants", default="")
     ap.add_argument("--mlx", action="store_true")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -91,7 +98,7 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(args.child, tokens, args.mlx, args.threads)))
         return
-    builds = args.native or [""]
+    builds = [b for b in args.variants.split(",") if b] or [""]
     runs: dict[str, list[dict]] = {b: [] for b in builds}
     print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     for _ in range(args.rounds):
