@@ -139,16 +139,23 @@ constexpr int64_t scale_size() {
   return F == ScaleFormat::F32 ? 4 : 2;
 }
 
-// Value I of a 32-value chunk in every lane, dequantized, times x, added.
+// Value I of a 32-value chunk in every lane, its bits not yet masked.
 template <int bits, int I>
-inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
+inline VU unpack(const VU* w) {
   constexpr int off = I * bits, word = off / 32, shift = off % 32;
-  constexpr uint32_t mask = (1u << bits) - 1;
   VU q = w[word] >> shift;
   if constexpr (shift + bits > 32) {
     q |= w[word + 1] << (32 - shift);
   }
-  VF d = __builtin_convertvector(VI(q & mask), VF) * scale + bias;
+  return q;
+}
+
+// Value I of a 32-value chunk in every lane, dequantized, times x, added.
+template <int bits, int I>
+inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
+  constexpr uint32_t mask = (1u << bits) - 1;
+  VF d = __builtin_convertvector(VI(unpack<bits, I>(w) & mask), VF) * scale +
+         bias;
   return acc + x * d;
 }
 
@@ -295,6 +302,158 @@ void check_spec(QuantSpec s, int64_t cols) {
   rows_fn(s.bits);
 }
 
+// Prefill: a panel of rows is dequantized once per k-chunk into a buffer
+// (k-major, the panel's rows in lanes), then each token's sums run over it:
+// a multiply and an add per weight and token, each sum still in k order.
+#if defined(__AVX512F__)
+constexpr int kPanelVecs = 4; // 16 sums and 4 weights of 32 registers
+#else
+constexpr int kPanelVecs = 2; // 8 sums and 2 weights of 16 registers
+#endif
+constexpr int kPanel = kPanelVecs * kLanes; // rows of one panel
+constexpr int kChunk = 64;                  // k values dequantized at once
+constexpr int kTile = 4;                    // tokens whose sums stay in registers
+constexpr int64_t kTokenBlock = 256;        // tokens of one task, at most
+// Tokens on one matrix from which dequantizing once beats the fused rows.
+constexpr int64_t kMinTokens = 3;
+
+inline VF load_vf(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_vf(float* p, VF v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// dq[k - k0][j] = scale * q + bias of row r0 + j at k, for k in [k0, k0 + kc)
+// (rows past the end repeat the last row).
+template <int bits, ScaleFormat F>
+void dequant_chunk(const Matrix& m, int64_t r0, int64_t k0, int kc, float* dq) {
+  constexpr int64_t size = scale_size<F>();
+  constexpr uint32_t mask = (1u << bits) - 1;
+  for (int v = 0; v < kPanelVecs; v++) {
+    const uint32_t* row[kLanes];
+    const uint8_t *sc[kLanes], *bi[kLanes];
+    for (int j = 0; j < kLanes; j++) {
+      int64_t r = std::min(r0 + v * kLanes + j, m.rows - 1);
+      row[j] = reinterpret_cast<const uint32_t*>(m.w + r * m.row_bytes);
+      sc[j] = m.scales + r * m.groups * size;
+      bi[j] = m.biases + r * m.groups * size;
+    }
+    VF s = {}, b = {};
+    int64_t last = -1;
+    for (int64_t k = k0; k < k0 + kc; k += 32) {
+      if (int64_t g = k / m.group_size; g != last) {
+        for (int j = 0; j < kLanes; j++) {
+          s[j] = scale_at<F>(sc[j], g);
+          b[j] = scale_at<F>(bi[j], g);
+        }
+        last = g;
+      }
+      VU w[bits];
+      for (int i = 0; i < bits; i++) {
+        for (int j = 0; j < kLanes; j++) {
+          w[i][j] = row[j][k / 32 * bits + i];
+        }
+      }
+      float* out = dq + (k - k0) * kPanel + v * kLanes;
+      [&]<int... I>(std::integer_sequence<int, I...>) {
+        ((*reinterpret_cast<VF*>(out + I * kPanel) =
+              __builtin_convertvector(VI(unpack<bits, I>(w) & mask), VF) * s +
+              b),
+         ...);
+      }(std::make_integer_sequence<int, 32>{});
+    }
+  }
+}
+
+// acc[t] (kPanel sums of token t) += x_t[k0 + k] * dq[k] for k in [0, kc), in
+// k order: TT tokens times kPanelVecs vectors of sums in registers.
+template <int TT>
+void panel_tile(const float* dq, int kc, const float* const* xs, int64_t k0,
+                float* acc) {
+  VF a[TT][kPanelVecs];
+  for (int t = 0; t < TT; t++) {
+    for (int v = 0; v < kPanelVecs; v++) {
+      a[t][v] = load_vf(acc + t * kPanel + v * kLanes);
+    }
+  }
+  const float* x[TT];
+  for (int t = 0; t < TT; t++) {
+    x[t] = xs[t] + k0;
+  }
+  for (int k = 0; k < kc; k++) {
+    const VF* w = reinterpret_cast<const VF*>(dq + k * kPanel);
+    for (int t = 0; t < TT; t++) {
+      float xt = x[t][k];
+      for (int v = 0; v < kPanelVecs; v++) {
+        a[t][v] = a[t][v] + xt * w[v];
+      }
+    }
+  }
+  for (int t = 0; t < TT; t++) {
+    for (int v = 0; v < kPanelVecs; v++) {
+      store_vf(acc + t * kPanel + v * kLanes, a[t][v]);
+    }
+  }
+}
+
+// acc[t][j] = row r0 + j of m @ x_t for n tokens (acc zeroed: n * kPanel).
+template <int bits, ScaleFormat F>
+void panel_block(const Matrix& m, int64_t r0, int n, const float* const* xs,
+                 float* acc) {
+  alignas(64) float dq[kChunk * kPanel];
+  for (int64_t k0 = 0; k0 < m.cols; k0 += kChunk) {
+    int kc = int(std::min<int64_t>(kChunk, m.cols - k0));
+    dequant_chunk<bits, F>(m, r0, k0, kc, dq);
+    int t = 0;
+    for (; t + kTile <= n; t += kTile) {
+      panel_tile<kTile>(dq, kc, xs + t, k0, acc + t * kPanel);
+    }
+    switch (n - t) {
+      case 3: panel_tile<3>(dq, kc, xs + t, k0, acc + t * kPanel); break;
+      case 2: panel_tile<2>(dq, kc, xs + t, k0, acc + t * kPanel); break;
+      case 1: panel_tile<1>(dq, kc, xs + t, k0, acc + t * kPanel); break;
+    }
+  }
+}
+
+using PanelFn = void (*)(const Matrix&, int64_t, int, const float* const*,
+                         float*);
+
+template <ScaleFormat F>
+PanelFn panel_fn_of(int bits) {
+  switch (bits) {
+    case 2: return panel_block<2, F>;
+    case 3: return panel_block<3, F>;
+    case 4: return panel_block<4, F>;
+    case 5: return panel_block<5, F>;
+    case 6: return panel_block<6, F>;
+    case 8: return panel_block<8, F>;
+  }
+  throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
+}
+
+PanelFn panel_fn(int bits, ScaleFormat format = ScaleFormat::F32) {
+  switch (format) {
+    case ScaleFormat::BF16: return panel_fn_of<ScaleFormat::BF16>(bits);
+    case ScaleFormat::F16: return panel_fn_of<ScaleFormat::F16>(bits);
+    default: return panel_fn_of<ScaleFormat::F32>(bits);
+  }
+}
+
+// One projection's kernels: the fused rows (a token or two) and the panel.
+struct Kernels {
+  RowsFn rows;
+  PanelFn panel;
+};
+
+Kernels kernels(int bits, ScaleFormat format = ScaleFormat::F32) {
+  return {rows_fn(bits, format), panel_fn(bits, format)};
+}
+
 } // namespace
 
 void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
@@ -313,10 +472,11 @@ static int threads_or_all(int threads) {
 // (gate, up, down) of the pair's expert.
 // `which` (when given) names the pairs to compute, `pairs` of them; a pair's
 // arithmetic is the same whichever others run beside it.
+using MatFn = std::function<Matrix(int, int64_t)>;
+
 static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
-                      int64_t hidden, int64_t d_out,
-                      const std::function<Matrix(int, int64_t)>& mat,
-                      const RowsFn (&fn)[3], float* y, int threads,
+                      int64_t hidden, int64_t d_out, const MatFn& mat,
+                      const Kernels (&fn)[3], float* y, int threads,
                       const int64_t* which = nullptr) {
   if (pairs == 0) {
     return;
@@ -330,8 +490,8 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
     const float* xt = x + pair / k * d_in;
     float* hp = h.data() + i * hidden;
     float* gp = g.data() + i * hidden;
-    matvec(mat(0, pair), fn[0], r0, r1, xt, gp);
-    matvec(mat(1, pair), fn[1], r0, r1, xt, hp);
+    matvec(mat(0, pair), fn[0].rows, r0, r1, xt, gp);
+    matvec(mat(1, pair), fn[1].rows, r0, r1, xt, hp);
     for (int64_t r = r0; r < r1; r++) {
       hp[r] = swiglu(gp[r], hp[r]);
     }
@@ -340,9 +500,118 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
   parallel_for(int(pairs * db), threads, [&](int task) {
     int64_t i = task / db, r0 = task % db * kBlock, pair = pair_at(i);
     int64_t r1 = std::min(d_out, r0 + kBlock);
-    matvec(mat(2, pair), fn[2], r0, r1, h.data() + i * hidden,
+    matvec(mat(2, pair), fn[2].rows, r0, r1, h.data() + i * hidden,
            y + pair * d_out);
   });
+}
+
+// Pairs grouped by their expert: a group of kMinTokens or more runs on
+// panels, the others (decode's) on fused rows.
+struct Groups {
+  std::vector<int64_t> singles; // pairs on fused rows
+  std::vector<int64_t> order;   // the grouped pairs, group after group
+  std::vector<int64_t> start;   // group g: order[start[g], start[g + 1])
+};
+
+static Groups group_pairs(const uint32_t* key, uint32_t keys, int64_t pairs,
+                          const int64_t* which) {
+  std::vector<std::vector<int64_t>> of(keys);
+  for (int64_t i = 0; i < pairs; i++) {
+    int64_t p = which ? which[i] : i;
+    of[key[p]].push_back(p);
+  }
+  Groups gr;
+  gr.start.push_back(0);
+  for (auto& ps : of) {
+    auto& to = int64_t(ps.size()) >= kMinTokens ? gr.order : gr.singles;
+    to.insert(to.end(), ps.begin(), ps.end());
+    if (int64_t(ps.size()) >= kMinTokens) {
+      gr.start.push_back(int64_t(gr.order.size()));
+    }
+  }
+  return gr;
+}
+
+// A panel task: rows [r0, r0 + kPanel) for tokens [t0, t0 + n) of group g.
+struct PanelTask {
+  int64_t group, t0, n, r0;
+};
+
+static std::vector<PanelTask> panel_tasks(const Groups& gr, int64_t rows) {
+  std::vector<PanelTask> tasks;
+  for (size_t g = 0; g + 1 < gr.start.size(); g++) {
+    int64_t size = gr.start[g + 1] - gr.start[g];
+    for (int64_t t0 = 0; t0 < size; t0 += kTokenBlock) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kPanel) {
+        tasks.push_back({int64_t(g), t0, std::min(kTokenBlock, size - t0), r0});
+      }
+    }
+  }
+  return tasks;
+}
+
+// The grouped pairs of `gr` on panels: gate and up, SwiGLU, down.
+static void run_groups(const float* x, const Groups& gr, int64_t k,
+                       int64_t d_in, int64_t hidden, int64_t d_out,
+                       const MatFn& mat, const Kernels (&fn)[3], float* y,
+                       int threads) {
+  if (gr.order.empty()) {
+    return;
+  }
+  std::vector<float> h(gr.order.size() * hidden);
+  auto up = panel_tasks(gr, hidden);
+  parallel_for(int(up.size()), threads, [&](int task) {
+    const PanelTask& t = up[task];
+    int64_t at = gr.start[t.group] + t.t0;
+    const int64_t* ps = gr.order.data() + at;
+    std::vector<const float*> xs(t.n);
+    for (int64_t i = 0; i < t.n; i++) {
+      xs[i] = x + ps[i] / k * d_in;
+    }
+    std::vector<float> ag(t.n * kPanel), au(t.n * kPanel);
+    fn[0].panel(mat(0, ps[0]), t.r0, int(t.n), xs.data(), ag.data());
+    fn[1].panel(mat(1, ps[0]), t.r0, int(t.n), xs.data(), au.data());
+    int64_t rows = std::min<int64_t>(kPanel, hidden - t.r0);
+    for (int64_t i = 0; i < t.n; i++) {
+      float* hp = h.data() + (at + i) * hidden + t.r0;
+      for (int64_t j = 0; j < rows; j++) {
+        hp[j] = swiglu(ag[i * kPanel + j], au[i * kPanel + j]);
+      }
+    }
+  });
+  auto down = panel_tasks(gr, d_out);
+  parallel_for(int(down.size()), threads, [&](int task) {
+    const PanelTask& t = down[task];
+    int64_t at = gr.start[t.group] + t.t0;
+    const int64_t* ps = gr.order.data() + at;
+    std::vector<const float*> xs(t.n);
+    for (int64_t i = 0; i < t.n; i++) {
+      xs[i] = h.data() + (at + i) * hidden;
+    }
+    std::vector<float> acc(t.n * kPanel);
+    fn[2].panel(mat(2, ps[0]), t.r0, int(t.n), xs.data(), acc.data());
+    int64_t rows = std::min<int64_t>(kPanel, d_out - t.r0);
+    for (int64_t i = 0; i < t.n; i++) {
+      std::memcpy(y + ps[i] * d_out + t.r0, acc.data() + i * kPanel,
+                  rows * sizeof(float));
+    }
+  });
+}
+
+// The pairs of `which` (or all `pairs`), key[pair] their slot or expert id
+// (< keys): experts with many tokens on panels, the rest on fused rows.
+static void run_calls(const float* x, const uint32_t* key, uint32_t keys,
+                      int64_t pairs, int64_t k, int64_t d_in, int64_t hidden,
+                      int64_t d_out, const MatFn& mat, const Kernels (&fn)[3],
+                      float* y, int threads, const int64_t* which = nullptr) {
+  if (pairs < kMinTokens) {
+    run_pairs(x, pairs, k, d_in, hidden, d_out, mat, fn, y, threads, which);
+    return;
+  }
+  Groups gr = group_pairs(key, keys, pairs, which);
+  run_pairs(x, int64_t(gr.singles.size()), k, d_in, hidden, d_out, mat, fn, y,
+            threads, gr.singles.data());
+  run_groups(x, gr, k, d_in, hidden, d_out, mat, fn, y, threads);
 }
 
 static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
@@ -352,17 +621,18 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
   int64_t pairs = inds.size(), k = inds.shape(-1), d_in = x.shape(-1);
   int64_t hidden = in[2].shape(-2), d_out = in[8].shape(-2);
   const uint32_t* slot = inds.data<uint32_t>();
+  uint32_t slots = uint32_t(in[2].shape(0));
   // Ids from a fetch that failed upstream may be anything: never read past
   // the slots.
   for (int64_t p = 0; p < pairs; p++) {
-    if (slot[p] >= uint32_t(in[2].shape(0))) {
+    if (slot[p] >= slots) {
       throw std::out_of_range("moestream kernel: a slot id past the slots");
     }
   }
-  const RowsFn fn[3] = {rows_fn(specs[0].bits), rows_fn(specs[1].bits),
-                        rows_fn(specs[2].bits)};
-  run_pairs(
-      x.data<float>(), pairs, k, d_in, hidden, d_out,
+  const Kernels fn[3] = {kernels(specs[0].bits), kernels(specs[1].bits),
+                         kernels(specs[2].bits)};
+  run_calls(
+      x.data<float>(), slot, slots, pairs, k, d_in, hidden, d_out,
       [&](int p, int64_t pair) {
         return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
                       slot[pair]);
@@ -378,14 +648,15 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
   const auto& ids = in[1];
   int64_t pairs = ids.size(), k = ids.shape(-1), d_in = x.shape(-1);
   const uint32_t* expert = ids.data<uint32_t>();
+  uint32_t experts = uint32_t(cache.num_experts);
   for (int64_t p = 0; p < pairs; p++) {
-    if (expert[p] >= uint32_t(cache.num_experts)) {
+    if (expert[p] >= experts) {
       throw std::out_of_range("moestream kernel: an expert id past the layer's");
     }
   }
-  const RowsFn fn[3] = {rows_fn(proj[0].spec.bits, proj[0].format),
-                        rows_fn(proj[1].spec.bits, proj[1].format),
-                        rows_fn(proj[2].spec.bits, proj[2].format)};
+  const Kernels fn[3] = {kernels(proj[0].spec.bits, proj[0].format),
+                         kernels(proj[1].spec.bits, proj[1].format),
+                         kernels(proj[2].spec.bits, proj[2].format)};
   auto mat = [&](int p, int64_t pair) {
         const MappedProjection& q = proj[p];
         const uint8_t* record = cache.mapped_record(int(expert[pair]));
@@ -401,10 +672,13 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
         m.format = q.format;
         return m;
       };
+  const float* xp = x.data<float>();
+  float* y = out.data<float>();
+  int64_t hidden = proj[0].rows, d_out = proj[2].rows;
   auto pending = cache.take_pending();
   if (!pending) {
-    run_pairs(x.data<float>(), pairs, k, d_in, proj[0].rows, proj[2].rows, mat,
-              fn, out.data<float>(), threads);
+    run_calls(xp, expert, experts, pairs, k, d_in, hidden, d_out, mat, fn, y,
+              threads);
     return;
   }
   // The pairs whose records are here first, while the rest are read.
@@ -412,11 +686,11 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
   for (int64_t p = 0; p < pairs; p++) {
     (pending->in_flight[expert[p]] ? later : ready).push_back(p);
   }
-  run_pairs(x.data<float>(), int64_t(ready.size()), k, d_in, proj[0].rows,
-            proj[2].rows, mat, fn, out.data<float>(), threads, ready.data());
+  run_calls(xp, expert, experts, int64_t(ready.size()), k, d_in, hidden, d_out,
+            mat, fn, y, threads, ready.data());
   cache.finish(*pending);
-  run_pairs(x.data<float>(), int64_t(later.size()), k, d_in, proj[0].rows,
-            proj[2].rows, mat, fn, out.data<float>(), threads, later.data());
+  run_calls(xp, expert, experts, int64_t(later.size()), k, d_in, hidden, d_out,
+            mat, fn, y, threads, later.data());
 }
 
 // Allocates `out` and runs `task` on the CPU stream's thread, inputs kept alive.
@@ -468,15 +742,35 @@ void ExpertMlpMapped::eval_gpu(const std::vector<mx::array>&,
 static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
                              QuantSpec spec, int threads) {
   Matrix m = matrix(in[1], in[2], in[3], spec, 0);
-  RowsFn fn = rows_fn(spec.bits);
+  Kernels fn = kernels(spec.bits);
   int64_t tokens = in[0].size() / m.cols;
-  int64_t blocks = (m.rows + kBlock - 1) / kBlock;
   const float* x = in[0].data<float>();
   float* y = out.data<float>();
-  parallel_for(int(tokens * blocks), threads, [&](int task) {
-    int64_t t = task / blocks, r0 = task % blocks * kBlock;
-    matvec(m, fn, r0, std::min(m.rows, r0 + kBlock), x + t * m.cols,
-           y + t * m.rows);
+  if (tokens < kMinTokens) {
+    int64_t blocks = (m.rows + kBlock - 1) / kBlock;
+    parallel_for(int(tokens * blocks), threads, [&](int task) {
+      int64_t t = task / blocks, r0 = task % blocks * kBlock;
+      matvec(m, fn.rows, r0, std::min(m.rows, r0 + kBlock), x + t * m.cols,
+             y + t * m.rows);
+    });
+    return;
+  }
+  int64_t panels = (m.rows + kPanel - 1) / kPanel;
+  int64_t blocks = (tokens + kTokenBlock - 1) / kTokenBlock;
+  parallel_for(int(blocks * panels), threads, [&](int task) {
+    int64_t t0 = task / panels * kTokenBlock, r0 = task % panels * kPanel;
+    int64_t n = std::min(kTokenBlock, tokens - t0);
+    std::vector<const float*> xs(n);
+    for (int64_t i = 0; i < n; i++) {
+      xs[i] = x + (t0 + i) * m.cols;
+    }
+    std::vector<float> acc(n * kPanel);
+    fn.panel(m, r0, int(n), xs.data(), acc.data());
+    int64_t rows = std::min<int64_t>(kPanel, m.rows - r0);
+    for (int64_t i = 0; i < n; i++) {
+      std::memcpy(y + (t0 + i) * m.rows + r0, acc.data() + i * kPanel,
+                  rows * sizeof(float));
+    }
   });
 }
 

@@ -1,64 +1,121 @@
 """One MoE layer's expert call and one quantized matmul at the bench's small
-shapes: MLX's ops beside the CPU kernel (1 and 2 threads), medians in ms.
+shapes, on the CPU kernel, for several token counts: medians in ms, and
+builds of the extension compared side by side.
 
-    .venv/bin/python scripts/kernel_ops.py
+    .venv/bin/python scripts/kernel_ops.py [--tokens 1,128,1024] [--rounds 3]
+        [--variants A.so,B.so] [--mlx]
 
-8 routed experts of 512 x 1024 (gate, up) and 1024 x 512 (down), 4-bit,
-group 64, one token; and a 2048 x 1024 QuantizedLinear. Two passes, so a
-change in the machine's load shows.
+64 experts of 512 x 1024 (gate, up) and 1024 x 512 (down), 4-bit, group 64,
+top-8 of random routing; and a 2048 x 1024 QuantizedLinear. Each round runs
+every build in a fresh process, in turn (so a change in the machine's load
+hits all alike); the table gives each build's median over the rounds of its
+per-call medians. `--variants` names built modules (.so) to load instead
+of the installed one; `--mlx` adds MLX's own ops (slow at many tokens);
+`--threads 1` times CPU seconds, not wall (a loaded machine's fairer clock).
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import statistics
 import subprocess
+import sys
 import time
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
 
-from moestream.runtime import native
-
-
-def median_ms(f, n: int = 15) -> float:
+def median_ms(f, n: int) -> float:
+    """The median ms of n calls: wall time, or with one thread the process's
+    CPU time (what the call computed, whatever else the cores ran)."""
+    clock = time.process_time if one_thread else time.perf_counter
     times = []
+    mx.eval(f())
     for _ in range(n):
-        start = time.perf_counter()
+        start = clock()
         mx.eval(f())
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
-    print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+def child(so: str | None, tokens: list[int], mlx: bool, threads: int) -> dict:
+    if so:  # before moestream.runtime imports the installed one
+        spec = importlib.util.spec_from_file_location("moestream._native", so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["moestream._native"] = module
+    global mx, one_thread
+    import mlx.core as mx
+
+    one_thread = threads == 1
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from moestream.runtime import native
+
     mx.random.seed(0)
     experts, hidden, d = 64, 512, 1024
     glu = SwitchGLU(d, hidden, experts)
     glu.set_dtype(mx.float32)
     nn.quantize(glu, group_size=64, bits=4)
-    x = mx.random.normal((1, 1, d))
-    inds = mx.random.randint(0, experts, (1, 1, 8)).astype(mx.uint32)
+    linear = nn.QuantizedLinear(d, 2048, bias=False, group_size=64, bits=4)
     projections = (glu.gate_proj, glu.up_proj, glu.down_proj)
     weights = [a for p in projections for a in (p.weight, p.scales, p.biases)]
-    linear = nn.QuantizedLinear(d, 2048, bias=False, group_size=64, bits=4)
-    mx.eval(glu.parameters(), linear.parameters(), x, inds)
-    ext = native._native
-    rows = {
-        "MLX SwitchGLU (gather_qmm)": lambda: glu(x, inds),
-        "kernel, 1 thread": lambda: ext.expert_mlp(x, inds, weights, [(4, 64)] * 3, 1),
-        "kernel, 2 threads": lambda: ext.expert_mlp(x, inds, weights, [(4, 64)] * 3, 2),
-        "MLX quantized_matmul 2048x1024": lambda: linear(x),
-        "kernel matmul, 1 thread": lambda: ext.quant_matmul(
-            x, linear.weight, linear.scales, linear.biases, 4, 64, 1
-        ),
-        "kernel matmul, 2 threads": lambda: ext.quant_matmul(
-            x, linear.weight, linear.scales, linear.biases, 4, 64, 2
-        ),
-    }
-    for _ in range(2):
-        for name, f in rows.items():
-            print(f"{name:32s} {median_ms(f):8.3f} ms")
+    mx.eval(glu.parameters(), linear.parameters())
+    ext, out = native._native, {}
+
+    def calls(x: mx.array, inds: mx.array) -> dict:
+        w, s, b = linear.weight, linear.scales, linear.biases
+        ops = {
+            "experts": lambda: ext.expert_mlp(x, inds, weights, [(4, 64)] * 3, threads),
+            "matmul": lambda: ext.quant_matmul(x, w, s, b, 4, 64, threads),
+        }
+        if mlx:
+            ops["MLX experts"] = lambda: glu(x, inds)
+            ops["MLX matmul"] = lambda: linear(x)
+        return ops
+
+    for t in tokens:
+        x = mx.random.normal((1, t, d))
+        inds = mx.argsort(mx.random.uniform(shape=(1, t, experts)), axis=-1)[..., :8]
+        mx.eval(x, inds := inds.astype(mx.uint32))
+        for name, f in calls(x, inds).items():
+            n = 3 if name.startswith("MLX") else max(3, min(15, 2000 // t))
+            out[f"{name} {t}"] = median_ms(f, n)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,128,1024")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="")
+    ap.add_argument("--mlx", action="store_true")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.child is not None:
+        print(json.dumps(child(args.child, tokens, args.mlx, args.threads)))
+        return
+    builds = [b for b in args.variants.split(",") if b] or [""]
+    runs: dict[str, list[dict]] = {b: [] for b in builds}
+    print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    for _ in range(args.rounds):
+        for b in builds:
+            cmd = [sys.executable, __file__, "--child", b, "--tokens", args.tokens]
+            cmd += ["--threads", str(args.threads)] + (["--mlx"] if args.mlx else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            runs[b].append(json.loads(proc.stdout.splitlines()[-1]))
+    print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    keys = list(runs[builds[0]][0])
+    print(
+        "| call (ms, median) | " + " | ".join(b or "installed" for b in builds) + " |"
+    )
+    print("|---" * (len(builds) + 1) + "|")
+    for key in keys:
+        cells = [statistics.median(r[key] for r in runs[b]) for b in builds]
+        print(f"| {key} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,45 @@ def test_mixed_bits_partial_tasks_and_threads_agree():
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group_size", GROUPS)
+def test_prefill_panels_equal_switch_glu(bits, group_size):
+    """Many tokens an expert (prefill): each expert's rows dequantized once
+    for all its tokens, still MLX's bits; a few experts with one token beside."""
+    mx.random.seed(bits * 100 + group_size)
+    glu = _switch(256, 384, 6, [(bits, group_size)] * 3)
+    x = mx.random.normal((1, 41, 256))
+    inds = mx.random.randint(0, 5, (1, 41, 3)).astype(mx.uint32)
+    inds[0, 7, 2] = 5  # expert 5: one pair only
+    ours, theirs = _kernel(glu, x, inds), glu(x, inds)
+    assert mx.array_equal(ours, theirs).item()
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 4, 7, 256, 300, 4096])
+def test_prefill_token_counts_equal_switch_glu(tokens):
+    """Token counts around the panel path's threshold, its tiles of tokens
+    and its blocks of 256, up to 4096; per-projection bits, partial panels."""
+    mx.random.seed(tokens)
+    glu = _switch(64, 96, 3, [(4, 32), (3, 32), (6, 32)])
+    x = mx.random.normal((tokens, 64))
+    inds = mx.random.randint(0, 3, (tokens, 2)).astype(mx.uint32)
+    theirs = glu(x, inds)
+    for threads in (1, 2):
+        assert mx.array_equal(_kernel(glu, x, inds, threads), theirs).item()
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 5, 255, 257, 4096])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_quant_matmul_many_tokens(tokens, bits):
+    mx.random.seed(tokens + bits)
+    layer = nn.QuantizedLinear(128, 72, bias=False, group_size=64, bits=bits)
+    x = mx.random.normal((1, tokens, 128))
+    ours = native._native.quant_matmul(
+        x, layer.weight, layer.scales, layer.biases, bits, 64
+    )
+    assert mx.array_equal(ours, layer(x)).item()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
 def test_quant_matmul_equals_quantized_linear(bits, group_size):
     mx.random.seed(bits + group_size)
     layer = nn.QuantizedLinear(256, 200, bias=False, group_size=group_size, bits=bits)

@@ -27,20 +27,27 @@ def llama_group() -> None:
     "--cuda", is_flag=True, help="The CUDA variant (sm_90), not the native CPU one."
 )
 @click.option(
+    "--ik",
+    is_flag=True,
+    help="ik_llama.cpp (CPU) from ik-llama-cpp-python's source, not llama.cpp.",
+)
+@click.option(
     "--build-dir", type=click.Path(path_type=Path), default=BUILD, show_default=True
 )
 @click.option(
     "--jobs", type=int, default=None, help="Compile jobs (default: every core)."
 )
 @common_options
-def build_cmd(cuda: bool, build_dir: Path, jobs: int | None) -> None:
+def build_cmd(cuda: bool, ik: bool, build_dir: Path, jobs: int | None) -> None:
     """Download llama-cpp-python's source from PyPI once (or unpack a carried
-    `pack`), build llama-bench once into BUILD_DIR/llama.cpp-<variant>/."""
+    `pack`), build llama-bench once into BUILD_DIR/llama.cpp-<variant>/
+    (--ik: BUILD_DIR/ik_llama.cpp-cpu/)."""
     from .llama_cpp import build_llama
 
     def run() -> None:
         start = time.perf_counter()
-        exe = build_llama(build_dir, "cuda" if cuda else "cpu", jobs)
+        variant = "ik" if ik else "cuda" if cuda else "cpu"
+        exe = build_llama(build_dir, variant, jobs)
         click.echo(f"{exe} ({time.perf_counter() - start:.0f} s)")
 
     user_errors(run)
@@ -111,15 +118,15 @@ def _gguf_option(text: str) -> tuple[str, Path]:
     return label, Path(path)
 
 
-def _built(build_dir: Path, cuda: bool) -> Path:
+def _built(build_dir: Path, cuda: bool, ik: bool = False) -> Path:
     """llama-bench of that variant, or an error that says how to build it."""
     from .llama_cpp import binary
 
-    exe = binary(build_dir, "cuda" if cuda else "cpu")
+    exe = binary(build_dir, "ik" if ik else "cuda" if cuda else "cpu")
     if not exe.is_file():
         raise FileNotFoundError(
             f"{exe} is missing; run `moestream bench llama-cpp build"
-            + (" --cuda`." if cuda else "`.")
+            + (" --ik`." if ik else " --cuda`." if cuda else "`.")
         )
     return exe
 
@@ -143,6 +150,13 @@ def _llama_gpu_options(fn: F) -> F:
     required=True,
     metavar="[LABEL=]FILE",
     help="The same weights as GGUF (repeatable: e.g. q4_1=a.gguf q4_0=b.gguf).",
+)
+@click.option(
+    "--ik-gguf",
+    "ik_ggufs",
+    multiple=True,
+    metavar="[LABEL=]FILE",
+    help="GGUF files for ik_llama.cpp rows too (`build --ik` first; repeatable).",
 )
 @click.option(
     "--budgets", default="100,25", show_default=True, help="moestream slots, %."
@@ -181,6 +195,7 @@ def _llama_gpu_options(fn: F) -> F:
 def compare_cmd(
     model: Path,
     ggufs: tuple[str, ...],
+    ik_ggufs: tuple[str, ...],
     budgets: str,
     modes: str,
     tokens: int,
@@ -209,6 +224,8 @@ def compare_cmd(
             out=model,
             ggufs=tuple(_gguf_option(g) for g in ggufs),
             exe=exe,
+            ik_ggufs=tuple(_gguf_option(g) for g in ik_ggufs),
+            ik_exe=_built(build_dir, False, ik=True) if ik_ggufs else None,
             budgets=_floats(budgets),
             modes=tuple(m.strip() for m in modes.split(",")),
             decode_tokens=tokens,

@@ -5,9 +5,11 @@ The `llama-cpp-python` source distribution carries llama.cpp's whole source
 PyPI is needed. `prepare_source` downloads and unpacks it once; `pack_source`
 writes a trimmed copy small enough to carry to a machine without network;
 `build` compiles `llama-bench` once per variant (cpu: -DGGML_NATIVE=ON;
-cuda: -DGGML_CUDA=ON, sm_90); `run_llama_bench` runs it in a fresh process and
-measures what llama-bench does not report itself (peak RSS, bytes read from
-disk).
+cuda: -DGGML_CUDA=ON, sm_90; ik: ik_llama.cpp, the CPU fork, from the
+`ik-llama-cpp-python` source distribution); `run_llama_bench` runs it in a
+fresh process and measures what llama-bench does not report itself (peak
+RSS, bytes read from disk). On a CPU with AMX the CPU builds leave AMX out
+(llama.cpp's AMX path dies on its tile instructions in prefill there).
 """
 
 from __future__ import annotations
@@ -53,8 +55,21 @@ SKIP = (
     "ggml/src/ggml-opencl/",
     "ggml/src/ggml-hexagon/",
 )
+# ik_llama.cpp: its sdist lacks the script that writes common/build-info.cpp
+IK_PACKAGE = "ik-llama-cpp-python"
+IK_VERSION = "0.1.5"
+IK_SDIST = f"ik_llama_cpp_python-{IK_VERSION}.tar.gz"
+IK_SOURCE_DIR = "ik_llama.cpp-src"
+IK_VENDOR = f"ik_llama_cpp_python-{IK_VERSION}/vendor/ik_llama.cpp/"
+BUILD_INFO_GEN = """\
+include(${CMAKE_CURRENT_SOURCE_DIR}/cmake/build-info.cmake)
+configure_file(${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp.in
+               ${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp)
+"""
 VARIANTS = {
     "cpu": ["-DGGML_NATIVE=ON"],
+    # llama-bench is one of ik_llama.cpp's examples
+    "ik": ["-DGGML_NATIVE=ON", "-DLLAMA_BUILD_EXAMPLES=ON"],
     # native CPU code too: with --cpu-moe / --n-cpu-moe the experts run on the
     # host's CPU, built where it runs
     "cuda": ["-DGGML_NATIVE=ON", "-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"],
@@ -72,6 +87,68 @@ COMMON_FLAGS = [
 ]
 
 
+# On a CPU with AMX: -march=native's ISA less AMX, as ggml's own options.
+ISA_OPTIONS = {
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "avx_vnni": "GGML_AVX_VNNI",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def native_options(flags: set[str]) -> list[str]:
+    """-DGGML_NATIVE=ON, or on a CPU with AMX the same ISA with AMX off."""
+    if "amx_tile" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    isa = [f"-D{o}={'ON' if f in flags else 'OFF'}" for f, o in ISA_OPTIONS.items()]
+    amx = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return ["-DGGML_NATIVE=OFF", *isa, *amx]
+
+
+def prepare_ik_source(build: Path) -> Path:
+    """build/ik_llama.cpp-src from ik-llama-cpp-python's sdist (downloaded
+    once), with the build-info script it lacks."""
+    src = build / IK_SOURCE_DIR
+    if not (src / "CMakeLists.txt").is_file():
+        sdist = download_sdist(build / "dl", IK_PACKAGE, IK_VERSION, IK_SDIST)
+        _unpack(sdist, IK_VENDOR, build, src)
+    gen = src / "common" / "cmake" / "build-info-gen-cpp.cmake"
+    if not gen.is_file():
+        gen.parent.mkdir(parents=True, exist_ok=True)
+        gen.write_text(BUILD_INFO_GEN)
+    return src
+
+
+def _unpack(sdist: Path, vendor: str, build: Path, src: Path) -> None:
+    """The sdist's `vendor` folder as `src` (through a temp name)."""
+    tmp = build / f".{src.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(vendor)]
+        for m in members:
+            m.name = m.name[len(vendor) :]
+        tar.extractall(tmp, members=[m for m in members if m.name], filter="data")
+    tmp.rename(src)
+
+
 def prepare_source(build: Path) -> Path:
     """build/llama.cpp-src: unpacked from a carried trimmed copy if there is
     one, else from the sdist (downloaded from PyPI once)."""
@@ -86,19 +163,18 @@ def prepare_source(build: Path) -> Path:
         with tarfile.open(build / PACKED) as tar:
             tar.extractall(tmp, filter="data")
     else:
-        sdist = download_sdist(build / "dl")
-        with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(VENDOR)]
-            for m in members:
-                m.name = m.name[len(VENDOR) :]
-            tar.extractall(tmp, members=[m for m in members if m.name], filter="data")
+        shutil.rmtree(tmp)
+        _unpack(download_sdist(build / "dl"), VENDOR, build, src)
+        return src
     tmp.rename(src)
     return src
 
 
-def download_sdist(dest: Path) -> Path:
-    """The llama-cpp-python source distribution from PyPI (pip download)."""
-    path = dest / SDIST
+def download_sdist(
+    dest: Path, package: str = PACKAGE, version: str = VERSION, sdist: str = SDIST
+) -> Path:
+    """A source distribution from PyPI (pip download): llama-cpp-python's."""
+    path = dest / sdist
     if path.is_file():
         return path
     dest.mkdir(parents=True, exist_ok=True)
@@ -109,15 +185,15 @@ def download_sdist(dest: Path) -> Path:
         "download",
         "--no-deps",
         "--no-binary",
-        PACKAGE,
-        f"{PACKAGE}=={VERSION}",
+        package,
+        f"{package}=={version}",
         "-d",
         str(dest),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not path.is_file():
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ToolError(f"pip download of {PACKAGE}=={VERSION} failed: {tail}")
+        raise ToolError(f"pip download of {package}=={version} failed: {tail}")
     return path
 
 
@@ -140,7 +216,18 @@ def pack_source(build: Path) -> Path:
 
 
 def binary(build: Path, variant: str) -> Path:
+    if variant == "ik":
+        return build / "ik_llama.cpp-cpu" / "bin" / "llama-bench"
     return build / f"llama.cpp-{variant}" / "bin" / "llama-bench"
+
+
+def configure_options(variant: str, flags: set[str]) -> list[str]:
+    """CMake's -D options for a variant on a CPU with these feature flags."""
+    common = [f for f in COMMON_FLAGS if variant != "ik" or "EXAMPLES" not in f]
+    options = []
+    for o in VARIANTS[variant]:
+        options += native_options(flags) if o == "-DGGML_NATIVE=ON" else [o]
+    return [*common, *options]
 
 
 def build_llama(build: Path, variant: str = "cpu", jobs: int | None = None) -> Path:
@@ -155,8 +242,8 @@ def build_llama(build: Path, variant: str = "cpu", jobs: int | None = None) -> P
             raise ToolError(
                 f"{tool} is not on PATH; it is needed to build llama.cpp ({variant})."
             )
-    src = prepare_source(build)
-    tree = build / f"llama.cpp-{variant}" / "cmake"
+    src = prepare_ik_source(build) if variant == "ik" else prepare_source(build)
+    tree = exe.parent.parent / "cmake"
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     _check(
         [
@@ -166,8 +253,7 @@ def build_llama(build: Path, variant: str = "cpu", jobs: int | None = None) -> P
             "-B",
             str(tree),
             *gen,
-            *COMMON_FLAGS,
-            *VARIANTS[variant],
+            *configure_options(variant, cpu_flags()),
         ]
     )
     _check(

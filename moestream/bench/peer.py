@@ -25,6 +25,8 @@ class PeerConfig:
     out: Path  # the converted model
     ggufs: tuple[tuple[str, Path], ...]  # (label, file) of the same weights
     exe: Path  # llama-bench
+    ik_ggufs: tuple[tuple[str, Path], ...] = ()  # for ik_llama.cpp's rows
+    ik_exe: Path | None = None  # ik_llama.cpp's llama-bench
     budgets: tuple[float, ...] = (100, 25)
     modes: tuple[str, ...] = ("warm",)
     decode_tokens: int = 32
@@ -84,11 +86,13 @@ def moestream_rows(cfg: PeerConfig) -> list[PeerRow]:
 
 def llama_rows(cfg: PeerConfig) -> list[PeerRow]:
     out = []
-    for label, path in cfg.ggufs:
+    runs = [("llama.cpp", cfg.exe, g) for g in cfg.ggufs]
+    runs += [("ik_llama.cpp", cfg.ik_exe, g) for g in cfg.ik_ggufs]
+    for name, exe, (label, path) in runs:
         for n_cpu_moe in cfg.n_cpu_moe:
             for mode in cfg.modes:
                 base = LlamaJob(
-                    str(cfg.exe),
+                    str(exe),
                     str(path),
                     threads=cfg.threads,
                     cold=mode == "cold",
@@ -96,7 +100,7 @@ def llama_rows(cfg: PeerConfig) -> list[PeerRow]:
                     n_cpu_moe=n_cpu_moe,
                     extra=cfg.llama_extra,
                 )
-                out.append(_llama_row(cfg, f"llama.cpp {label}", base, mode))
+                out.append(_llama_row(cfg, f"{name} {label}", base, mode))
     return out
 
 

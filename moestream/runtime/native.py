@@ -237,10 +237,11 @@ def tier_filled(tier: object) -> int:
 @functools.cache
 def kernel_matches_mlx() -> bool:
     """Whether the kernel computes what this MLX computes, bit for bit, on a
-    small case of every bit width (checked once; MLX's random state is left
+    small case of every bit width, decode's rows and prefill's panels (seven
+    tokens on one expert) both (checked once; MLX's random state is left
     alone, so seeded sampling still draws what mlx-lm's does)."""
-    x = mx.random.normal((2, 1, 1, 64), key=mx.random.key(1))
-    inds = mx.array([[1], [0]], mx.uint32)
+    x = mx.random.normal((8, 1, 1, 64), key=mx.random.key(1))
+    inds = mx.array([[1]] * 7 + [[0]], mx.uint32)
     for bits in (2, 3, 4, 5, 6, 8):
         weights = []
         for p in range(3):
@@ -248,7 +249,12 @@ def kernel_matches_mlx() -> bool:
             weights += mx.quantize(w, 32, bits)
         ours = _native.expert_mlp(x, inds, weights, [(bits, 32)] * 3, 1)
         theirs = _reference_mlp(x, inds, weights, bits)
-        if not mx.array_equal(ours, theirs).item():
+        dense = [a[0] for a in weights[:3]]
+        ours_mm = _native.quant_matmul(x, *dense, bits, 32, 1)
+        theirs_mm = mx.quantized_matmul(x, *dense, group_size=32, bits=bits)
+        if not (
+            mx.array_equal(ours, theirs) & mx.array_equal(ours_mm, theirs_mm)
+        ).item():
             log.warning("the CPU kernel differs from MLX's ops here: not used")
             return False
     return True
