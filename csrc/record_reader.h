@@ -1,5 +1,6 @@
 // Reads whole expert records for one layer: from its record source, in pieces
-// over the reader threads, checked once; a failed read is tried once more.
+// over the reader threads, checked once; a failed read is tried once more,
+// from the blob opened again by path.
 #pragma once
 
 #include <atomic>

@@ -1,6 +1,7 @@
 #include "record_source.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -57,6 +58,18 @@ void PreadSource::read_range(int expert, uint8_t* dst, int64_t begin,
   if (got < n) {
     read_failed(blob_, expert, got >= 0);
   }
+}
+
+void PreadSource::reopen() {
+  int fd = ::open(blob_.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return; // gone: the open file is all there is
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) == 0 && st.st_size >= blob_.end()) {
+    ::dup2(fd, fd_); // atomic: a read in flight sees one file or the other
+  }
+  ::close(fd);
 }
 
 bool PreadSource::hint(int expert) {

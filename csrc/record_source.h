@@ -51,6 +51,9 @@ class PreadSource : public RecordSource {
   void read_range(int expert, uint8_t* dst, int64_t begin,
                   int64_t end) override;
   bool hint(int expert) override; // POSIX_FADV_WILLNEED
+  // Open the path again, in place of the open file, where it holds every
+  // record (a blob replaced by a good copy is read from then on).
+  void reopen();
   int fd() const {
     return fd_;
   }

@@ -183,6 +183,20 @@ def test_corrupt_record_fails_every_time_then_recovers(copy, reference, engine) 
     assert_exact(model, reference)
 
 
+def test_blob_replaced_by_a_good_copy_heals(copy, reference, engine) -> None:
+    """A bad blob replaced by rename (a good copy moved over it): the retry
+    opens the path again, so the running process reads the good file."""
+    layer = load_manifest(copy).layers[0]
+    model, _ = load(copy, engine, 4)
+    original = corrupt_layer(copy, layer)  # in place: the open file is bad
+    with pytest.raises(ExpertReadError, match=r"of layer 0 .* fails its"):
+        forward(model, PROMPTS[0])
+    good = copy / f"{layer.file}.good"
+    good.write_bytes(original)
+    os.replace(good, copy / layer.file)  # a new inode under the same path
+    assert_exact(model, reference)
+
+
 def test_blob_removed_under_running_process(copy, reference, engine) -> None:
     """Unlinking does not pull the data away from an open file: still exact."""
     model, _ = load(copy, engine, 2)

@@ -141,6 +141,18 @@ class BlobReader:
             self.close()
             raise
 
+    def reopen(self) -> None:
+        """Open the path again (a blob replaced by a good copy is read from
+        then on), once its size and header check; else keep the file open."""
+        fd = os.open(self.path, os.O_RDONLY)
+        old, self._fd = self._fd, fd
+        try:
+            self._check_size_and_header()
+            os.dup2(fd, old)  # the number stays: the finalizer closes it
+        finally:
+            self._fd = old
+            os.close(fd)
+
     def _check_size_and_header(self) -> None:
         size = os.fstat(self._fd).st_size
         if size != self.layer.file_nbytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import zlib
@@ -47,12 +48,15 @@ class ExpertStore:
         """Read one record into `buffers` (covering it exactly); verify once.
 
         A record that fails its read or its checksum is read once more (a
-        transient error heals); a second failure raises ExpertReadError, as
-        the native engine does (csrc/record_reader.h).
+        transient error heals), from its blob opened again by path (a blob
+        replaced by a good copy heals too); a second failure raises
+        ExpertReadError, as the native engine does (csrc/record_reader.h).
         """
         try:
             self._read_once(layer, expert, buffers)
         except ExpertReadError:
+            with contextlib.suppress(OSError, FormatError):  # else: the old file
+                self.readers[layer].reopen()
             self._read_once(layer, expert, buffers)
 
     def inject_read_failures(self, layer: int, expert: int, count: int) -> None:
