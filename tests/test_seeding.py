@@ -89,7 +89,7 @@ def test_mapped_seed_prints_mlx_lm_generate(models, mlx_lm_texts, family: str) -
 
 @pytest.mark.device
 @pytest.mark.skipif(not mx.is_available(mx.gpu), reason="MLX has no GPU here")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_seed_prints_mlx_lm_generate(tmp_path: Path, dtype: str) -> None:
     """On a GPU both compute in the stored dtype, so bfloat16 weights compare
     too (a CPU computes run-moe in float32, mlx-lm in bfloat16)."""
