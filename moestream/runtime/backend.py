@@ -344,16 +344,22 @@ def _plan_host_tier(
 def _prefetches(
     t: Tuning, engine: str, memory: MemoryPlan, fill: bool, gpu: bool
 ) -> bool:
-    """Tuning.prefetch resolved. By default none into a tier that holds every
-    record (read at load: nothing is left to read ahead), nor on a GPU whose
-    kernels resolve the tier unless its reads are direct (buffered, reads ahead
-    were lost beyond RAM), nor with direct_io and no tier (kernel readahead
-    into a page cache that direct reads skip)."""
+    """Tuning.prefetch resolved. A GPU never reads ahead (into its host tier it
+    measured 0.89x / 0.97x on the H200: deleted); by default none into a tier
+    that holds every record (read at load: nothing is left to read ahead), nor
+    with direct_io and no tier (kernel readahead into a page cache that direct
+    reads skip)."""
+    if gpu:
+        if t.prefetch:
+            raise ValueError(
+                "a GPU does not read ahead: it measured slower "
+                "(docs/nvidia-gpu.md); leave prefetch unset."
+            )
+        return False
     if engine != "native":
         return False
     if t.prefetch is not None:
         return t.prefetch
     tier = memory.host_records > 0
-    on_device = tier and gpu and t.device_resolve and not t.direct_io
     no_target = t.direct_io and not tier
-    return not (fill or on_device or no_target)
+    return not (fill or no_target)
