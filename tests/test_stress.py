@@ -45,7 +45,7 @@ RUNTIME_CHOICES: dict[str, list] = {
     "record_trace": [False, True],
     "lrfu_decay": [0.5, Tuning.lrfu_decay],
     "engine": ["python", "native"] if native.available() else ["python"],
-    "host_budget": [None, "64M"],  # the native engine only (a tier on a CPU)
+    "host_budget": [None],  # a GPU's tier: a CPU refuses it (test_native.py)
     "readers": [1, 3],
     "concurrency": [1, 2],
     "device_resolve": [False, True],  # a GPU's: no effect on a CPU
@@ -65,10 +65,8 @@ def draw_options(rng: random.Random) -> dict:
         options["cache_experts"] = max(options["cache_experts"], 4)
     if options["engine"] == "python" or not DIRECT_READS:
         options["direct_io"] = False  # refused by name (test_direct_io.py)
-    if options["engine"] == "python":
-        options["host_budget"] = None  # refused by name (tested)
     if options["backend"] == "mapped":  # what it has no use for is refused (tested)
-        options.update(engine="native", cpu_kernel=None, host_budget=None)
+        options.update(engine="native", cpu_kernel=None)
         options.update(direct_io=False, cache_experts=None, memory_budget=None)
         options["dtype"] = "float32"  # the CPU kernel's
     return options

@@ -94,9 +94,10 @@ class RuntimeConfig:
         else that 80 %.
     cache_experts: resident expert slots per MoE layer, instead of as many as
         the budget allows; with a budget too, checked to fit it.
-    host_budget: bytes (or "32G") of host memory for expert records between
-        the disk and a GPU's slots (pinned); outside `memory_budget`. Default:
-        every record if that fits in half the memory available at load.
+    host_budget: on a GPU, bytes (or "32G") of pinned host memory for expert
+        records between the disk and its slots; outside `memory_budget`.
+        Default: every record if that fits in half the memory available at
+        load. A CPU has no host tier (the page cache is one): leave it unset.
     dtype: compute dtype; "auto" is float32 on a CPU, the stored dtype on a GPU.
     verify: check each expert record's checksum the first time it is read.
     context: tokens (prompt + generation) the KV cache and activations are sized for.
