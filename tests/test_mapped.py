@@ -176,7 +176,6 @@ def test_a_truncated_blob_is_refused_at_load(tmp_path: Path):
         ({"cpu_kernel": False}, "cpu_kernel=False"),
         ({"cache_experts": 4}, "cache_experts"),
         ({"host_budget": "64M"}, "host_budget"),
-        ({"direct_io": True}, "direct_io"),
     ],
 )
 def test_what_mapped_has_no_use_for_is_refused(options: dict, words: str):

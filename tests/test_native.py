@@ -4,15 +4,17 @@ path and with mlx-lm's resident model bit for bit."""
 from __future__ import annotations
 
 import os
+import shutil
 import zlib
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import PROMPT, generated, logits_stepwise
+from helpers import PROMPT, corrupt_layer, generated, logits_stepwise, tiny_converted
 
 import moestream
-from moestream.formats import load_manifest
+from moestream.formats import Recipe, load_manifest
 from moestream.reference import resident_model
 from moestream.runtime import ExpertReadError, native
 from moestream.runtime.switch import StreamingSwitchGLU
@@ -160,3 +162,60 @@ def test_an_error_a_call_left_raises_its_class(copy):
     with pytest.raises(native.NativeEngineError, match="more routed experts"):
         native.check(Left("more routed experts than slots in one call"))
     native.check(Left(""))
+
+
+# Records that end inside a 4 KiB block, read in 3 pieces at 3 readers (the
+# last one short): 824,320 bytes (ExpertCache::kMinPiece is 256 KiB).
+PIECES_BITS = "gate_proj=4,up_proj=4,down_proj=8"
+PIECES_GEOMETRY = {
+    "hidden_size": 256,
+    "moe_intermediate_size": 1472,
+    "num_hidden_layers": 2,
+    "mlp_only_layers": [],
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pieces")
+    return tiny_converted(root, PIECES_BITS, PIECES_GEOMETRY)
+
+
+@pytest.mark.parametrize("readers", [1, 3], ids=["1-reader", "3-readers"])
+def test_records_read_in_pieces_give_the_resident_models_logits(pieces, readers):
+    hf, out = pieces
+    record = load_manifest(out).layers[0].record_nbytes
+    assert record % 4096 and record > 2 * (256 << 10)
+    ref = resident_model(hf, Recipe.parse(PIECES_BITS))
+    theirs = logits_stepwise(ref, PROMPT, steps=6)
+    model, _ = moestream.load(out, cache_experts=2, engine="native", readers=readers)
+    ours = logits_stepwise(model, PROMPT, steps=6)
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert mx.array_equal(a, b).item(), f"step {step} differs"
+    s = moestream.stats(model)
+    assert s.misses > 0 and s.bytes_read > 0
+
+
+def test_a_corrupt_last_piece_fails_its_checksum(pieces, tmp_path: Path):
+    _, src = pieces
+    out = tmp_path / "model"
+    shutil.copytree(src, out)
+    layer = load_manifest(out).layers[1]
+    corrupt_layer(out, layer, at=layer.record_nbytes - 3)  # in the last piece
+    model, _ = moestream.load(out, cache_experts=2, engine="native", readers=3)
+    with pytest.raises(ExpertReadError, match="fails its checksum"):
+        logits_stepwise(model, PROMPT, steps=2)
+
+
+def test_a_record_past_the_end_of_the_file(pieces, tmp_path: Path):
+    _, src = pieces
+    out = tmp_path / "model"
+    shutil.copytree(src, out)
+    layer = load_manifest(out).layers[1]
+    model, _ = moestream.load(out, cache_experts=2, engine="native")
+    # Inside the last block of expert 0's record: its last read comes up short.
+    os.truncate(out / layer.file, layer.data_offset + layer.record_nbytes - 5)
+    with pytest.raises(ExpertReadError, match="lies past the end of the file"):
+        logits_stepwise(model, PROMPT, steps=2)

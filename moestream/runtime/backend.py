@@ -41,9 +41,6 @@ CPU_SLOTS, CPU_MAPPED, CUDA_TIERED, PYTHON = (
     "python",
 )
 BACKENDS = (CPU_SLOTS, CPU_MAPPED, CUDA_TIERED, PYTHON)
-# O_DIRECT's alignment of a destination (Tuning.direct_io): 4 KiB covers every
-# Linux block size (csrc's kDirectAlign).
-DIRECT_ALIGN = 4096
 
 
 @dataclass(frozen=True)
@@ -196,7 +193,6 @@ def _check_python(cfg: RuntimeConfig, engine: str) -> None:
     clashes = [
         (t.prefetch, "prefetch (it measured slower with it)"),
         (cfg.host_budget is not None, "host_budget (the native engine's tier)"),
-        (t.direct_io, "direct_io (it reads through the page cache)"),
     ]
     for clash, what in clashes:
         if clash:
@@ -256,7 +252,6 @@ def _mapped_by_default(
         and cfg.memory_budget is None
         and cfg.cache_experts is None
         and cfg.host_budget is None
-        and not cfg.tuning.direct_io
         and engine == "native"
         and not gpu
         and compute == "float32"
@@ -323,8 +318,6 @@ def _plan_host_tier(
     if plan.capacity >= plan.num_experts:
         return plan
     record = max(layer.record_nbytes for layer in manifest.layers)
-    if cfg.tuning.direct_io:  # each record block-aligned, for O_DIRECT reads
-        record = -(-record // DIRECT_ALIGN) * DIRECT_ALIGN
     every = sum(layer.num_experts for layer in manifest.layers)
     if cfg.host_budget is None:
         budget = min(every * record, available_memory() // 2)
@@ -355,8 +348,7 @@ def _prefetches(
     measured 0.89x / 0.97x on the H200: deleted); by default none with mapped
     experts (WILLNEED hints measured 0.83x there, 0.76x in RAM warm), nor into
     a tier that holds every record (read at load: nothing is left to read
-    ahead), nor with direct_io and no tier (kernel readahead into a page cache
-    that direct reads skip)."""
+    ahead)."""
     if gpu:
         if t.prefetch:
             raise ValueError(
@@ -370,6 +362,4 @@ def _prefetches(
         return t.prefetch
     if memory.mapped:
         return False
-    tier = memory.host_records > 0
-    no_target = t.direct_io and not tier
-    return not (fill or no_target)
+    return not fill

@@ -50,7 +50,6 @@ class Tuning:
         the rows of a call.
     readers: reader threads of the host tier and of piecewise record reads.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
-    direct_io: read records with O_DIRECT (Linux), past the page cache.
     record_trace: keep one event per MoE layer call in the stats.
     """
 
@@ -65,7 +64,6 @@ class Tuning:
     whole_calls: bool | None = None
     readers: int = 8
     kernel_threads: int = 0
-    direct_io: bool = False
     record_trace: bool = False
 
     def __post_init__(self) -> None:
@@ -150,7 +148,6 @@ class RuntimeConfig:
             (t.cpu_kernel is False, "cpu_kernel=False (the kernel reads the map)"),
             (self.cache_experts is not None, "cache_experts (it has no slots)"),
             (self.host_budget is not None, "host_budget (the page cache is its tier)"),
-            (t.direct_io, "direct_io (it reads through the page cache)"),
         ]
         for clash, what in clashes:
             if clash:
