@@ -4,7 +4,7 @@
 //   1. a kernel copies the routed ids into pinned host memory (zero copy);
 //   2. a host function resolves slots and has the misses read into the pinned
 //      host tier (host_tier.h), by its reader threads in parallel, unless the
-//      tier holds them already (read ahead, or used before);
+//      tier holds them already (used before);
 //   3. a kernel copies those records into their device slots (reading the
 //      pinned tier over the bus) and writes the slot ids.
 // The device path (the default): one kernel resolves the call from the

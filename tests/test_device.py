@@ -54,7 +54,7 @@ def test_resident_deterministic_and_streaming_exact_on_gpu(converted):
     assert all(mx.array_equal(a, b).item() for a, b in zip(ref, again, strict=True))
     for cache_experts, engine in [(8, "python"), (3, "python"), (3, "native")]:
         model, _ = moestream.load(converted, cache_experts=cache_experts, engine=engine)
-        assert not model.moestream.plan.prefetch
+        assert not moestream.runtime_of(model).execution.prefetch
         ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
         for a, b in zip(ours, ref, strict=True):
             assert mx.array_equal(a, b).item(), (cache_experts, engine)
