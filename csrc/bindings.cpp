@@ -151,11 +151,6 @@ NB_MODULE(_native, m) {
           "(call, hits, misses, bytes_read, prefetched) of each call resolved "
           "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
-      .def("open_direct", [](ExpertCache& c) { c.reader().open_direct(); },
-           "Read records with O_DIRECT from now on (RuntimeConfig.direct_io); "
-           "ValueError where the blob's filesystem refuses direct reads.")
-      .def_prop_ro("direct",
-                   [](ExpertCache& c) { return c.reader().direct() != nullptr; })
       .def("map_blob", &ExpertCache::map_blob,
            "Map the blob read-only (RuntimeConfig.mapped): calls resolve to "
            "expert ids, read in place by expert_mlp_mapped; ValueError when "
@@ -169,14 +164,6 @@ NB_MODULE(_native, m) {
            },
            "Take a mapped blob's pages out of this process's page tables (the "
            "page cache keeps them until dropped).")
-      .def_prop_ro(
-          "unaligned_reads",
-          [](ExpertCache& c) {
-            auto* direct = c.reader().direct();
-            return direct ? direct->unaligned_reads.load() : int64_t(0);
-          },
-          "Ranges read through the page cache although direct, their "
-          "destination not block-aligned.")
       .def_prop_rw(
           "readers", [](ExpertCache& c) { return c.reader().readers; },
           [](ExpertCache& c, int n) { c.reader().readers = n; },

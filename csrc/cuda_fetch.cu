@@ -4,7 +4,7 @@
 //   1. a kernel copies the routed ids into pinned host memory (zero copy);
 //   2. a host function resolves slots and has the misses read into the pinned
 //      host tier (host_tier.h), by its reader threads in parallel, unless the
-//      tier holds them already (read ahead, or used before);
+//      tier holds them already (used before);
 //   3. a kernel copies those records into their device slots (reading the
 //      pinned tier over the bus) and writes the slot ids.
 // The device path (the default): one kernel resolves the call from the
@@ -13,11 +13,8 @@
 // hits and tier hits need no host at all; for records the tier lacks, the
 // kernel posts (record, tier slot) to a pinned mailbox and spins until the
 // tier's service thread has had them read (GPU-initiated reads; nothing it
-// waits for is queued on the stream). Step 3 follows. A chained layer's
-// kernel then reads the next layer's predicted records ahead into the tier
-// (posted to a pinned ring; the device waits on a slot's read only when a
-// call uses it). The host's copies are brought back (gpu_sync_host) before a
-// host-side load uses them.
+// waits for is queued on the stream). Step 3 follows. The host's copies are
+// brought back (gpu_sync_host) before a host-side load uses them.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -115,8 +112,7 @@ namespace {
 
 // One call resolved by the kernel: its arguments, then its node.
 void encode_on_device(ExpertCache& c, GpuState& g, cu::CommandEncoder& enc,
-                      const mx::array& inds, mx::array& out, int64_t call,
-                      const uint32_t* pred, int npred) {
+                      const mx::array& inds, mx::array& out, int64_t call) {
   TierGpu& tg = *c.tier()->gpu;
   if (!tg.device_owned) {
     GpuAccess::push_tier(tg); // a host-side load changed it, or the first call
@@ -146,25 +142,6 @@ void encode_on_device(ExpertCache& c, GpuState& g, cu::CommandEncoder& enc,
   a.report = g.report;
   a.tier_report = tg.report;
   a.record = c.log.recording() && call >= 0 ? GpuAccess::record(g, call) : nullptr;
-  if (ExpertCache* next = c.next().get(); next && pred) {
-    GpuState& gn = gpu_state(*next); // its table, read ahead for here
-    if (!GpuAccess::device_mode(*next, gn)) {
-      throw std::runtime_error("a chained layer does not resolve on the device");
-    }
-    if (!next->device_owned) {
-      GpuAccess::push(*next, gn);
-    }
-    a.pred = pred;
-    a.npred = npred;
-    a.next_slot_of = gn.table.slot_of;
-    a.next_prefetched = gn.table.prefetched;
-    a.next_counts = gn.table.counts;
-    a.next_report = gn.report;
-    a.next_experts = next->num_experts;
-    a.next_base = int(next->tier_base());
-    a.next_cache = next;
-    a.ring = tg.ring;
-  }
   enc.set_input_array(inds);
   enc.set_output_array(out);
   int threads = 256;
@@ -250,7 +227,7 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
                            new CallArgs{&c, n, tokens, npred, call}),
         "cudaLaunchHostFunc");
   } else {
-    encode_on_device(c, g, enc, inds, out, call, pred, npred);
+    encode_on_device(c, g, enc, inds, out, call);
   }
   enc.set_input_array(out);
   enc.set_output_array(out);

@@ -2,7 +2,6 @@
 // the device, one block, from the device's copies of the tables.
 #include <cuda/atomic>
 
-#include "cuda_ahead_device.cuh"
 #include "cuda_device.cuh"
 #include "cuda_tier_device.cuh"
 #include "slot_policy.h"
@@ -215,9 +214,6 @@ __global__ void resolve_on_device(ResolveArgs a) {
     use_scores(a, m);
   }
   __syncthreads();
-  if (!failed && a.next_slot_of) {
-    read_ahead_next(a, m, epoch);
-  }
   for (int i = threadIdx.x; i < a.n; i += blockDim.x) {
     uint32_t e = a.ids[i];
     a.out[i] = !failed && a.t.slot_of[e] >= 0 ? uint32_t(a.t.slot_of[e])

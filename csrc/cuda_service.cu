@@ -1,5 +1,5 @@
 // The tier's service thread: it has the records a kernel posted to a tier's
-// mailbox read on the reader threads, and submits the reads ahead.
+// mailbox read on the reader threads.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -69,7 +69,6 @@ TierGpu::~TierGpu() {
   if (box) { // registered with the service
     service_unregister(this);
     cudaFreeHost(box);
-    cudaFreeHost(ring);
     cudaFreeHost(table.state);
     cudaFreeHost(report);
   }
@@ -136,9 +135,6 @@ void service_loop_body(Service& sv) {
     if (sv.tiers.empty()) {
       sv.wake.wait(lock);
       return;
-    }
-    for (auto* tg : sv.tiers) {
-      submit_ahead(*tg);
     }
     for (auto* tg : sv.tiers) {
       seq = std::atomic_ref<int64_t>(tg->box->posted).load(

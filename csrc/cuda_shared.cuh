@@ -1,6 +1,6 @@
 // The CUDA side's plain data: what the host and the kernels share through
 // device and pinned memory (the slot table's and the tier's device copies,
-// the mailbox, the read-ahead ring, the reports), and the kernels' arguments.
+// the mailbox, the reports), and the kernels' arguments.
 #pragma once
 
 #include <cuda.h>
@@ -109,17 +109,6 @@ struct DevTier {
   int capacity;
 };
 
-// Reads ahead posted by kernels for the service thread (pinned, mapped): a
-// ring of `capacity` entries; `head` counts the entries written so far.
-struct AheadEntry {
-  ExpertCache* cache; // the layer the record is for (kept alive by its chain)
-  int expert, slot;
-};
-struct AheadRing {
-  int64_t head;
-  AheadEntry entries[1];
-};
-
 // Records the tier lacks, posted by a kernel for the tier's service thread
 // (pinned, mapped): `posted` is raised by the device once the request is
 // written, `done` by the host once every record is read. Then `expert`,
@@ -154,18 +143,6 @@ struct ResolveArgs {
   DevReport* report;
   int64_t* tier_report;
   DevRecord* record;
-  // Read ahead (the layer is chained): the next layer's predicted experts,
-  // its table, counts and report, its first tier key, its cache; null
-  // `next_slot_of` when none.
-  const uint32_t* pred;
-  int npred;
-  const int* next_slot_of;
-  unsigned char* next_prefetched;
-  int64_t* next_counts;
-  DevReport* next_report;
-  int next_experts, next_base;
-  ExpertCache* next_cache;
-  AheadRing* ring;
 };
 
 // Counters in the resolving kernel's shared memory (cuda_device.cuh).

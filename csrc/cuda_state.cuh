@@ -20,12 +20,9 @@ struct TierGpu {
   uint8_t* table_memory{nullptr};
   DevTier table{};
   Mailbox* box{nullptr}; // pinned
-  AheadRing* ring{nullptr}; // pinned
   int64_t* report{nullptr}; // pinned: hits, misses, evictions, late so far
   int64_t taken[4]{};
   int64_t served{0}; // the service thread's: the last request it served
-  std::atomic<int64_t> ring_taken{0}; // ring entries the service submitted
-  std::atomic<int64_t> ahead_pending{0}; // reads ahead not finished
   bool device_owned{false}; // the device's table is the current one
   ~TierGpu();
 };
@@ -69,19 +66,11 @@ struct GpuState {
 };
 
 // The tier's service thread (cuda_service.cu): it serves every registered
-// tier's mailbox and read-ahead ring, spinning while calls are encoded.
+// tier's mailbox, spinning while calls are encoded.
 void service_busy();
 void service_register(TierGpu* tg);
 void service_unregister(TierGpu* tg);
 
-// The read-ahead ring (cuda_ahead.cu) and the mailbox (cuda_service.cu).
-// Until the service has submitted every read ahead the kernels posted and
-// each has finished (the stream has run: no kernel posts more).
-void wait_ahead_reads(TierGpu& tg);
-// The reads ahead kernels posted since the last look, queued behind the
-// routed reads on the tier's readers; each tells the device when it is
-// done through the slot's pinned state word (0 read, 2 failed).
-void submit_ahead(TierGpu& tg);
 // The records a kernel posted, read on the tier's reader threads (this
 // thread reads too), then `done` raised: the kernel goes on.
 void serve(TierGpu& tg, int64_t seq);

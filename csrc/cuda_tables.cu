@@ -89,9 +89,6 @@ void GpuAccess::allocate_tier(TierGpu& tg) {
   tg.box = reinterpret_cast<Mailbox*>(
       pinned<uint8_t>(sizeof(Mailbox) + sizeof(int) * 3 * C));
   *tg.box = Mailbox{};
-  tg.ring = reinterpret_cast<AheadRing*>(
-      pinned<uint8_t>(sizeof(AheadRing) + sizeof(AheadEntry) * C));
-  tg.ring->head = 0;
   tg.report = pinned<int64_t>(4);
   std::fill(tg.report, tg.report + 4, 0);
   service_register(&tg);
@@ -148,7 +145,6 @@ void GpuAccess::pull(ExpertCache& c, GpuState& g) {
 void GpuAccess::push_tier(TierGpu& tg) {
   HostTier& h = *tg.tier;
   h.drain();
-  wait_ahead_reads(tg);
   std::lock_guard<std::mutex> lock(h.mutex_);
   int64_t K = h.slot_of_.size(), C = h.capacity;
   std::vector<int> slot_of(K, -1), key_in(C, -1);
@@ -188,7 +184,6 @@ void GpuAccess::pull_tier(TierGpu& tg) {
   std::vector<int> slot_of(K), key_in(C), free_stack(C);
   std::vector<unsigned char> ahead(C);
   int free_n = 0;
-  wait_ahead_reads(tg);
   std::lock_guard<std::mutex> lock(h.mutex_);
   down(ahead.data(), t.ahead, C);
   down(slot_of.data(), t.slot_of, sizeof(int) * K);

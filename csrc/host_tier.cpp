@@ -230,8 +230,7 @@ uint8_t* host_alloc(size_t bytes, bool pinned) {
   if (pinned) {
     return pinned_alloc(bytes);
   }
-  // Block-aligned: records read with O_DIRECT land here (direct_io).
-  constexpr size_t align = kBlockAlign;
+  constexpr size_t align = kPageAlign;
   auto* p = static_cast<uint8_t*>(
       std::aligned_alloc(align, (bytes + align - 1) / align * align));
   if (!p) {

@@ -23,16 +23,7 @@ RecordSource& RecordReader::source() {
   if (mapped_) {
     return *mapped_;
   }
-  if (direct_) {
-    return *direct_;
-  }
   return buffered_;
-}
-
-void RecordReader::open_direct() {
-  if (!direct_) {
-    direct_ = std::make_unique<DirectSource>(blob, buffered_);
-  }
 }
 
 void RecordReader::map() {
@@ -102,16 +93,16 @@ void RecordReader::attempt(int expert, uint8_t* dst) {
 
 void RecordReader::staged(int expert,
                           const std::function<void(const uint8_t*)>& use) {
-  // Block-aligned, so a direct read lands in it.
+  // Page-aligned.
   static std::mutex mutex;
   static std::unique_ptr<uint8_t, decltype(&std::free)> record(nullptr,
                                                                &std::free);
   static int64_t size = 0;
   std::lock_guard<std::mutex> lock(mutex);
   if (size < blob.record_nbytes) {
-    int64_t bytes = (blob.record_nbytes + kBlockAlign - 1) / kBlockAlign *
-        kBlockAlign;
-    record.reset(static_cast<uint8_t*>(std::aligned_alloc(kBlockAlign, bytes)));
+    int64_t bytes = (blob.record_nbytes + kPageAlign - 1) / kPageAlign *
+        kPageAlign;
+    record.reset(static_cast<uint8_t*>(std::aligned_alloc(kPageAlign, bytes)));
     size = record ? bytes : 0;
     if (!record) {
       throw std::bad_alloc();

@@ -9,7 +9,6 @@
 #include <memory>
 #include <vector>
 
-#include "direct_source.h"
 #include "mapped_blob.h"
 #include "record_check.h"
 #include "record_source.h"
@@ -33,17 +32,12 @@ class RecordReader {
   // The pieces one record is read in: over `readers`, at least kMinPiece.
   int64_t piece_bytes() const;
 
-  // RuntimeConfig.direct_io: read through O_DIRECT from now on (once).
-  void open_direct();
   // RuntimeConfig.mapped: map the blob (once).
   void map();
-  const DirectSource* direct() const {
-    return direct_.get();
-  }
   const MappedBlob* mapped() const {
     return mapped_.get();
   }
-  // The source reads and hints go to: mapped, direct, else buffered.
+  // The source reads and hints go to: mapped, else buffered.
   RecordSource& source();
 
   // The test hook of fault injection: the next `count` reads of `expert`'s
@@ -61,7 +55,6 @@ class RecordReader {
   void attempt(int expert, uint8_t* dst);
 
   PreadSource buffered_;
-  std::unique_ptr<DirectSource> direct_;
   std::unique_ptr<MappedBlob> mapped_;
   std::vector<std::atomic<int>> injected_;
 };

@@ -32,7 +32,7 @@ PreadSource::~PreadSource() {
 }
 
 int64_t PreadSource::pread_full(int fd, uint8_t* dst, int64_t n,
-                                int64_t offset, bool direct) {
+                                int64_t offset) {
   int64_t done = 0;
   while (done < n) {
     ssize_t got = ::pread(fd, dst + done, n - done, offset + done);
@@ -43,7 +43,7 @@ int64_t PreadSource::pread_full(int fd, uint8_t* dst, int64_t n,
       return -1;
     }
     done += got;
-    if (got == 0 || (direct && got % kBlockAlign)) { // the end of the file
+    if (got == 0) { // the end of the file
       break;
     }
   }
@@ -53,8 +53,7 @@ int64_t PreadSource::pread_full(int fd, uint8_t* dst, int64_t n,
 void PreadSource::read_range(int expert, uint8_t* dst, int64_t begin,
                              int64_t end) {
   int64_t n = end - begin;
-  int64_t got = pread_full(fd_, dst + begin, n, blob_.offset(expert) + begin,
-                           false);
+  int64_t got = pread_full(fd_, dst + begin, n, blob_.offset(expert) + begin);
   if (got < n) {
     read_failed(blob_, expert, got >= 0);
   }

@@ -1,5 +1,5 @@
 // Where a layer's expert records are read from: one interface, with the
-// buffered pread source here (direct_source.h: O_DIRECT; mapped_blob.h: mmap).
+// buffered pread source here (mapped_blob.h: mmap).
 #pragma once
 
 #include <cstdint>
@@ -22,9 +22,8 @@ struct BlobLayout {
   }
 };
 
-// O_DIRECT needs the file offset, the length and the destination aligned to
-// the device's logical block; 4 KiB covers every Linux block size.
-constexpr int64_t kBlockAlign = 4096;
+// Host buffers of records (the staging record, a tier) are page-aligned.
+constexpr int64_t kPageAlign = 4096;
 
 // The Python engine's words for a failed read (ExpertReadError), so both
 // read alike: past the end of the file (`eof`), else errno's.
@@ -59,8 +58,7 @@ class PreadSource : public RecordSource {
   }
   // pread until `n` bytes are read (or the file ends) through `fd`; the
   // bytes read, or -1 on an error (errno set).
-  static int64_t pread_full(int fd, uint8_t* dst, int64_t n, int64_t offset,
-                            bool direct);
+  static int64_t pread_full(int fd, uint8_t* dst, int64_t n, int64_t offset);
 
  private:
   const BlobLayout blob_;

@@ -56,16 +56,8 @@ def rows(out: str) -> list[tuple[str, dict]]:
         ("native 25 %, tier 1.9 GB", {**tier, "cache_experts": q}),
         ("native 10 %, tier 1.9 GB", {**tier, "cache_experts": d}),
         (
-            "native 25 %, tier 1.9 GB, host function + prefetch",
-            {**tier, **host_fn, "cache_experts": q, "prefetch": True},
-        ),
-        (
-            "native 10 %, tier 1.9 GB, host function + prefetch",
-            {**tier, **host_fn, "cache_experts": d, "prefetch": True},
-        ),
-        (
             "native 25 %, tier 1.9 GB, host function",
-            {**tier, **host_fn, "cache_experts": q, "prefetch": False},
+            {**tier, **host_fn, "cache_experts": q},
         ),
         # per-call trace records, as `moestream bench` loads
         (

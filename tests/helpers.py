@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -169,22 +168,6 @@ def mlx_lm_generate(runs: dict[object, tuple[Path, int]]) -> dict[object, str]:
         assert p.returncode == 0, err
         texts[key] = out.removesuffix("\n")  # it prints the text, then a newline
     return texts
-
-
-def direct_reads_refused(path: Path) -> str | None:
-    """Why O_DIRECT reads of `path` fail here, or None when they work."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as e:
-        return f"O_DIRECT is not supported on {path.parent}: {e}"
-    try:
-        buf = mmap.mmap(-1, 4096)  # page-aligned, a block
-        os.preadv(fd, [buf], 0)
-    except OSError as e:
-        return f"O_DIRECT reads fail on {path.parent}: {e}"
-    finally:
-        os.close(fd)
-    return None
 
 
 def tiny_converted(root: Path, bits: str, geometry: dict) -> tuple[Path, Path]:

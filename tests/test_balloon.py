@@ -39,15 +39,15 @@ def test_beyond_ram_without_a_gguf_plans_moestream_rows_only(tmp_path):
         gguf=None,
         exe=None,
         budgets=(25,),
-        runtime_fields=(("direct_io=true", {"direct_io": True}),),
+        runtime_fields=(("readers=2", {"readers": 2}),),
         trace=tmp_path / "t.npz",
     )
     rows = [(name, mode) for name, mode, _ in plan(cfg)]
     assert rows == [
         ("moestream 25 %", "cold"),
         ("moestream 25 %", "warm"),
-        ("moestream 25 % direct_io=true", "cold"),
-        ("moestream 25 % direct_io=true", "warm"),
+        ("moestream 25 % readers=2", "cold"),
+        ("moestream 25 % readers=2", "warm"),
     ]
 
 

@@ -4,10 +4,10 @@ Marked `device`: skipped where MLX has no GPU. The same comparisons as
 test_exactness.py, pinned to the GPU: streaming vs mlx-lm's resident model,
 prefill and step-by-step decode, at several cache sizes and compute dtypes
 (float16 slots cast from the stored bfloat16 on the device);
-the resident model against itself (GPU kernels deterministic), and prefetch;
-the device kernel that resolves slots and host tier records against the host
-function (with a tier of every record and with one that evicts, and reading
-ahead into it), read errors on both.
+the resident model against itself (GPU kernels deterministic); the device
+kernel that resolves slots and host tier records against the host function
+(with a tier of every record and with one that evicts), read errors on both;
+prefetch refused (a GPU does not read ahead).
 """
 
 from __future__ import annotations
@@ -48,40 +48,44 @@ def test_streaming_exact_on_gpu(converted, hf_dir, recipe, dtype, cache_experts)
         assert mx.array_equal(a, b).item()
 
 
-def test_resident_deterministic_and_prefetch_exact_on_gpu(converted):
+def test_resident_deterministic_and_streaming_exact_on_gpu(converted):
     ref = logits_stepwise(resident_from_converted(converted), PROMPT, DECODE_STEPS)
     again = logits_stepwise(resident_from_converted(converted), PROMPT, DECODE_STEPS)
     assert all(mx.array_equal(a, b).item() for a, b in zip(ref, again, strict=True))
-    for cache_experts, prefetch in [(8, False), (3, False), (3, True)]:
-        engine = "native" if prefetch else "python"  # python does not prefetch
-        model, _ = moestream.load(
-            converted, cache_experts=cache_experts, prefetch=prefetch, engine=engine
-        )
+    for cache_experts, engine in [(8, "python"), (3, "python"), (3, "native")]:
+        model, _ = moestream.load(converted, cache_experts=cache_experts, engine=engine)
+        assert not moestream.runtime_of(model).execution.prefetch
         ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
         for a, b in zip(ours, ref, strict=True):
-            assert mx.array_equal(a, b).item(), (cache_experts, prefetch)
+            assert mx.array_equal(a, b).item(), (cache_experts, engine)
+
+
+def test_prefetch_is_refused_on_a_gpu(converted):
+    """Reading ahead into the host tier measured slower on the H200 (0.89x /
+    0.97x): deleted; asking for it is one line."""
+    with pytest.raises(ValueError, match="a GPU does not read ahead") as e:
+        moestream.load(converted, cache_experts=3, engine="native", prefetch=True)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(
-    "cache_experts, host_records, device_resolve, prefetch",
+    "cache_experts, host_records, device_resolve",
     [
-        (2, None, True, None),
-        (5, None, True, None),
-        (5, None, False, None),
-        (3, 4, True, False),
-        (3, 4, True, True),
-        (3, 4, False, False),
+        (2, None, True),
+        (5, None, True),
+        (5, None, False),
+        (3, 4, True),
+        (3, 4, False),
     ],
 )
 def test_native_engine_exact_on_gpu(
-    converted, hf_dir, recipe, cache_experts, host_records, device_resolve, prefetch
+    converted, hf_dir, recipe, cache_experts, host_records, device_resolve
 ):
     """The CUDA engine: slots and tier records resolved by a kernel (a tier of
     every record, read at load, or of 4 records that evicts, the kernel asking
-    the host for the records it lacks, and reading the next layer's
-    predicted records ahead when asked to prefetch) or by a host function of
-    the stream (asked), misses copied from the pinned host tier over the bus;
-    the 48-token prompt runs grouped."""
+    the host for the records it lacks) or by a host function of the stream
+    (asked), misses copied from the pinned host tier over the bus; the
+    48-token prompt runs grouped."""
     ref = resident_model(hf_dir, recipe, compute_dtype="bfloat16")  # GPU's auto
     theirs = logits_stepwise(ref, PROMPT, DECODE_STEPS)
     layers = load_manifest(converted).layers
@@ -95,7 +99,6 @@ def test_native_engine_exact_on_gpu(
         host_budget=budget,
         dtype="bfloat16",
         device_resolve=device_resolve,
-        prefetch=prefetch,
     )
     ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
@@ -109,7 +112,7 @@ def test_native_engine_exact_on_gpu(
         assert s.host_misses > 0 and s.host_evictions > 0
     assert s.device_calls == (s.native_calls if device_resolve else 0)
     assert s.host_hits + s.host_late + s.host_misses == s.misses
-    assert (s.prefetched > 0) == bool(prefetch)
+    assert s.prefetched == 0  # a GPU does not read ahead
 
 
 @pytest.mark.parametrize("host_records", [None, 5], ids=["tier-all", "tier-5"])
@@ -163,60 +166,6 @@ def test_device_resolve_makes_the_host_functions_choices(
     if host_records is not None:  # the tier read records and evicted some
         assert counts[5] > 0 and counts[6] > 0
     assert tables == off[3]
-
-
-@pytest.mark.parametrize("policy", ["lrfu", "lru"])
-def test_device_read_ahead_makes_the_host_functions_slot_choices(
-    converted, hf_dir, recipe, policy
-):
-    """Prefetch into a tier of 5 records, the next layer's predicted records
-    read ahead by the kernel's posts and by the host function's hints: the
-    logits of both equal the resident model's, and the slot counters,
-    per-call records and final slot tables are the same (reading ahead only
-    changes the tier, whose contents depend on when each read finishes). The
-    device's reads ahead are counted, some are routed to, and every slot miss
-    is a tier hit, late hit or tier miss."""
-    layers = load_manifest(converted).layers
-    budget = 5 * max(layer.record_nbytes for layer in layers)
-    ref = resident_model(hf_dir, recipe, compute_dtype="bfloat16")
-    theirs = logits_stepwise(ref, PROMPT, DECODE_STEPS)
-    theirs += logits_stepwise(ref, PROMPT[:, ::-1], DECODE_STEPS)
-    runs = {}
-    for on in (True, False):
-        model, _ = moestream.load(
-            converted,
-            cache_experts=3,
-            engine="native",
-            dtype="bfloat16",
-            policy=policy,
-            record_trace=True,
-            device_resolve=on,
-            host_budget=budget,
-            prefetch=True,
-        )
-        logits = logits_stepwise(model, PROMPT, DECODE_STEPS)
-        logits += logits_stepwise(model, PROMPT[:, ::-1], DECODE_STEPS)
-        for step, (a, b) in enumerate(zip(logits, theirs, strict=True)):
-            assert mx.array_equal(a, b).item(), (on, step)
-        s = moestream.stats(model)
-        events = [
-            (e["layer"], e["step"], e["tokens"], e["hits"], e["misses"])
-            for e in s.events
-        ]
-        s.collect()
-        assert s.host_hits + s.host_late + s.host_misses == s.misses
-        assert 0 < s.prefetched_used <= s.prefetched
-        assert s.misses_prefetched <= s.prefetched_used
-        assert (
-            0 < s.prefetch_bytes <= s.prefetched * max(x.record_nbytes for x in layers)
-        )
-        tables = [cache.table() for cache in s.native_layers.values()]
-        counts = (s.hits, s.misses, s.evictions)
-        runs[on] = (events, counts, tables, s.device_calls, s.native_calls)
-    (events, counts, tables, device_calls, calls), off = runs[True], runs[False]
-    assert device_calls == calls > 0 and off[3] == 0
-    assert events == off[0] and counts == off[1] and counts[2] > 0
-    assert tables == off[2]
 
 
 @pytest.mark.parametrize("device_resolve", [True, False])

@@ -19,8 +19,7 @@ from moestream.runtime import ExpertReadError, native
 
 PROMPT = mx.array([[(5 * i + 1) % 300 for i in range(20)]])
 STEPS = 6
-# "tier": the native engine reading through a host tier of 5 records.
-ENGINES = ["python"] + (["native", "tier"] if native.available() else [])
+ENGINES = ["python"] + (["native"] if native.available() else [])
 
 
 @pytest.fixture(params=ENGINES)
@@ -29,12 +28,7 @@ def engine(request) -> str:
 
 
 def load(path: Path, engine: str, **options):
-    if engine == "tier":
-        record = max(layer.record_nbytes for layer in load_manifest(path).layers)
-        options.update(engine="native", host_budget=5 * record, readers=2)
-    else:
-        options["engine"] = engine
-    return moestream.load(path, **options)[0]
+    return moestream.load(path, engine=engine, **options)[0]
 
 
 class Recorder(nn.Module):
@@ -85,24 +79,12 @@ def test_events_record_every_call(converted, engine) -> None:
         for e in mine:
             # The prompt's call runs in groups of 3 slots: they add up.
             assert e["hits"] + e["misses"] == len(set(e["experts"]))
-            if engine == "tier":  # misses the tier held were not read now
-                assert e["bytes_read"] % layer.record_nbytes == 0
-                assert e["bytes_read"] <= e["misses"] * layer.record_nbytes
-            else:
-                assert e["bytes_read"] == e["misses"] * layer.record_nbytes
+            assert e["bytes_read"] == e["misses"] * layer.record_nbytes
             assert len(set(e["prefetched"])) == len(e["prefetched"])
             assert all(0 <= x < layer.num_experts for x in e["prefetched"])
     assert sum(e["hits"] for e in events) == s.hits
     assert sum(e["misses"] for e in events) == s.misses > 0
-    if engine == "tier":  # its reads ahead, every one finished by now
-        for tier in s.native:
-            if hasattr(tier, "drain"):
-                tier.drain()
-        s.collect()
-        read = sum(e["bytes_read"] for e in events) + s.prefetch_bytes
-        assert read == s.bytes_read
-    else:
-        assert sum(e["bytes_read"] for e in events) == s.bytes_read
+    assert sum(e["bytes_read"] for e in events) == s.bytes_read
     assert sum(len(e["prefetched"]) for e in events) == s.prefetched
     assert (s.prefetched > 0) == (engine != "python")  # python: no prefetch
     first = min(layer.layer for layer in layers)

@@ -25,11 +25,7 @@ from moestream.cli.run import main as run_main
 from moestream.formats import load_manifest
 from moestream.runtime import ExpertReadError, native
 
-# "tier": the native engine reading through its host tier's reader threads.
-ENGINES = ["python"] + (["native", "tier"] if native.available() else [])
-# A tier of 5 records, fewer than the model's: misses are read from the blob
-# (a tier of every record reads them all at load; test_native.py tests it).
-TIER_RECORDS = 5
+ENGINES = ["python"] + (["native"] if native.available() else [])
 
 PROMPTS = [
     mx.array([[(13 * i + 7) % 300 for i in range(40)]]),
@@ -50,12 +46,7 @@ def engine(request) -> str:
 
 
 def load(path: Path, engine: str, cache_experts: int):
-    options = {"engine": engine}
-    if engine == "tier":
-        record = max(layer.record_nbytes for layer in load_manifest(path).layers)
-        options = {"engine": "native", "host_budget": TIER_RECORDS * record}
-        options["readers"] = 2
-    return moestream.load(path, cache_experts=cache_experts, **options)
+    return moestream.load(path, cache_experts=cache_experts, engine=engine)
 
 
 def forward(model, prompt: mx.array) -> mx.array:
@@ -149,9 +140,6 @@ def test_injected_failures_heal_once_then_fail(copy, reference, how: str) -> Non
     exact again once reads succeed. Fresh loads: a mapped record is read
     (checked) the first time it is routed."""
     options = {"engine": "native" if how != "python" else "python"}
-    if how == "tier":
-        record = max(layer.record_nbytes for layer in load_manifest(copy).layers)
-        options.update(host_budget=TIER_RECORDS * record, prefetch=False)
     options.update({"backend": "mapped"} if how == "mapped" else {"cache_experts": 2})
     model, _ = moestream.load(copy, **options)
     inject(model, how, 1)
@@ -229,7 +217,6 @@ def test_run_moe_corrupt_expert_is_one_line(copy, engine) -> None:
             "-m",
             "3",
             *(["--set", "engine=native"] * (engine == "native")),
-            *(["--set", "engine=native", "--host-budget", "64M"] * (engine == "tier")),
         ],
         catch_exceptions=False,
     )

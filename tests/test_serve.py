@@ -424,7 +424,7 @@ def test_serve_and_chat_take_every_engine_flag() -> None:
     given = {f for _, f, _ in ENGINE_FLAGS.values()}
     assert given == expected - {"memory_budget", "host_budget"}
     set_fields = {f for f, _ in TUNING_SETS.values()}
-    assert set_fields == set(TUNING_FIELDS) - {"direct_io", "record_trace"}
+    assert set_fields == set(TUNING_FIELDS) - {"record_trace"}
     run_help = {p.name: p.help for p in run_main.params}
     for command in (serve_cmd, chat_cmd):
         params = {p.name: p for p in command.params}

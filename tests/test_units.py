@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -141,7 +142,7 @@ def test_engine_defaults_to_native_wherever_it_runs(monkeypatch, converted) -> N
     want = "native" if native.runs_here(gpu) else "python"
     plan = execution_for(converted, config_from(cache_experts=4))
     assert (plan.backend != backend.PYTHON) == (want == "native")
-    assert plan.prefetch == (want == "native")
+    assert plan.prefetch == (want == "native" and not gpu)
     python = execution_for(converted, config_from(cache_experts=4, engine="python"))
     assert python.backend == backend.PYTHON and not python.prefetch
     off = config_from(cache_experts=4, engine=want, prefetch=False)
@@ -151,6 +152,22 @@ def test_engine_defaults_to_native_wherever_it_runs(monkeypatch, converted) -> N
     monkeypatch.setattr(native, "_native", None)  # not built (macOS)
     plan = execution_for(converted, config_from(cache_experts=4))
     assert plan.backend == backend.PYTHON
+
+
+def test_a_gpu_never_reads_ahead() -> None:
+    """Reading ahead into a GPU's host tier measured 0.89x / 0.97x (H200):
+    deleted. The plan never prefetches on a GPU and refuses prefetch=True in
+    one line (checked here on the plan's own function: no GPU is needed)."""
+    from moestream.runtime import backend
+    from moestream.runtime.config import Tuning
+
+    memory = SimpleNamespace(host_records=4)
+    for asked in (None, False):
+        t = Tuning(prefetch=asked)
+        assert not backend._prefetches(t, "native", memory, False, True)
+    with pytest.raises(ValueError, match="a GPU does not read ahead") as e:
+        backend._prefetches(Tuning(prefetch=True), "native", memory, False, True)
+    assert "\n" not in str(e.value) and "leave prefetch unset" in str(e.value)
 
 
 def test_default_engine_falls_back_with_a_warning(

@@ -41,9 +41,6 @@ CPU_SLOTS, CPU_MAPPED, CUDA_TIERED, PYTHON = (
     "python",
 )
 BACKENDS = (CPU_SLOTS, CPU_MAPPED, CUDA_TIERED, PYTHON)
-# O_DIRECT's alignment of a destination (Tuning.direct_io): 4 KiB covers every
-# Linux block size (csrc's kDirectAlign).
-DIRECT_ALIGN = 4096
 
 
 @dataclass(frozen=True)
@@ -196,7 +193,6 @@ def _check_python(cfg: RuntimeConfig, engine: str) -> None:
     clashes = [
         (t.prefetch, "prefetch (it measured slower with it)"),
         (cfg.host_budget is not None, "host_budget (the native engine's tier)"),
-        (t.direct_io, "direct_io (it reads through the page cache)"),
     ]
     for clash, what in clashes:
         if clash:
@@ -256,7 +252,6 @@ def _mapped_by_default(
         and cfg.memory_budget is None
         and cfg.cache_experts is None
         and cfg.host_budget is None
-        and not cfg.tuning.direct_io
         and engine == "native"
         and not gpu
         and compute == "float32"
@@ -309,15 +304,20 @@ def _plan_mapped(cfg: RuntimeConfig, whole: bool, *args: object) -> MemoryPlan:
 def _plan_host_tier(
     plan: MemoryPlan, manifest: Manifest, cfg: RuntimeConfig, gpu: bool
 ) -> MemoryPlan:
-    """The native engine's host tier under `cfg.host_budget`: on a GPU always
-    (the records a call copies to its slots live there; default: every record
-    if that fits in half the memory available now, else that half), on a CPU
-    only when a budget is given (the page cache is its host tier)."""
-    if plan.capacity >= plan.num_experts or (cfg.host_budget is None and not gpu):
+    """A GPU's pinned host tier under `cfg.host_budget` (the records a call
+    copies to its slots live there; default: every record if that fits in half
+    the memory available now, else that half). A CPU has none: a tier there
+    measured 0.73x cold, 0.52x in RAM warm (deleted 2026-12-04)."""
+    if not gpu:
+        if cfg.host_budget is not None:
+            raise ValueError(
+                "host_budget sizes a GPU's pinned host tier; on a CPU the page "
+                "cache is the tier: leave it unset."
+            )
+        return plan
+    if plan.capacity >= plan.num_experts:
         return plan
     record = max(layer.record_nbytes for layer in manifest.layers)
-    if cfg.tuning.direct_io:  # each record block-aligned, for O_DIRECT reads
-        record = -(-record // DIRECT_ALIGN) * DIRECT_ALIGN
     every = sum(layer.num_experts for layer in manifest.layers)
     if cfg.host_budget is None:
         budget = min(every * record, available_memory() // 2)
@@ -337,23 +337,29 @@ def _plan_host_tier(
         host_records=records,
         host_record=record,
         host_budget=budget if cfg.host_budget is not None else None,
-        host_pinned=gpu,
+        host_pinned=True,
     )
 
 
 def _prefetches(
     t: Tuning, engine: str, memory: MemoryPlan, fill: bool, gpu: bool
 ) -> bool:
-    """Tuning.prefetch resolved. By default none into a tier that holds every
-    record (read at load: nothing is left to read ahead), nor on a GPU whose
-    kernels resolve the tier unless its reads are direct (buffered, reads ahead
-    were lost beyond RAM), nor with direct_io and no tier (kernel readahead
-    into a page cache that direct reads skip)."""
+    """Tuning.prefetch resolved. A GPU never reads ahead (into its host tier it
+    measured 0.89x / 0.97x on the H200: deleted); by default none with mapped
+    experts (WILLNEED hints measured 0.83x there, 0.76x in RAM warm), nor into
+    a tier that holds every record (read at load: nothing is left to read
+    ahead)."""
+    if gpu:
+        if t.prefetch:
+            raise ValueError(
+                "a GPU does not read ahead: it measured slower "
+                "(docs/nvidia-gpu.md); leave prefetch unset."
+            )
+        return False
     if engine != "native":
         return False
     if t.prefetch is not None:
         return t.prefetch
-    tier = memory.host_records > 0
-    on_device = tier and gpu and t.device_resolve and not t.direct_io
-    no_target = t.direct_io and not tier
-    return not (fill or on_device or no_target)
+    if memory.mapped:
+        return False
+    return not fill

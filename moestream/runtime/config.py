@@ -50,7 +50,6 @@ class Tuning:
         the rows of a call.
     readers: reader threads of the host tier and of piecewise record reads.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
-    direct_io: read records with O_DIRECT (Linux), past the page cache.
     record_trace: keep one event per MoE layer call in the stats.
     """
 
@@ -65,7 +64,6 @@ class Tuning:
     whole_calls: bool | None = None
     readers: int = 8
     kernel_threads: int = 0
-    direct_io: bool = False
     record_trace: bool = False
 
     def __post_init__(self) -> None:
@@ -94,9 +92,10 @@ class RuntimeConfig:
         else that 80 %.
     cache_experts: resident expert slots per MoE layer, instead of as many as
         the budget allows; with a budget too, checked to fit it.
-    host_budget: bytes (or "32G") of host memory for expert records between
-        the disk and a GPU's slots (pinned); outside `memory_budget`. Default:
-        every record if that fits in half the memory available at load.
+    host_budget: on a GPU, bytes (or "32G") of pinned host memory for expert
+        records between the disk and its slots; outside `memory_budget`.
+        Default: every record if that fits in half the memory available at
+        load. A CPU has no host tier (the page cache is one): leave it unset.
     dtype: compute dtype; "auto" is float32 on a CPU, the stored dtype on a GPU.
     verify: check each expert record's checksum the first time it is read.
     context: tokens (prompt + generation) the KV cache and activations are sized for.
@@ -149,7 +148,6 @@ class RuntimeConfig:
             (t.cpu_kernel is False, "cpu_kernel=False (the kernel reads the map)"),
             (self.cache_experts is not None, "cache_experts (it has no slots)"),
             (self.host_budget is not None, "host_budget (the page cache is its tier)"),
-            (t.direct_io, "direct_io (it reads through the page cache)"),
         ]
         for clash, what in clashes:
             if clash:

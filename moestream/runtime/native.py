@@ -162,7 +162,7 @@ def expert_cache(
     )
     if not mapped:
         cache.bind(slots, plan.gpu)
-    _tune(cache, tier, t.device_resolve, t.readers, t.direct_io, mapped)
+    _tune(cache, tier, t.device_resolve, t.readers, mapped)
     return cache
 
 
@@ -171,20 +171,12 @@ def _tune(
     tier: object | None,
     device_resolve: bool,
     readers: int,
-    direct_io: bool,
     mapped: bool,
 ) -> None:
-    """Set the plan's knobs on a new cache, its host tier too. With
-    direct_io it reads with O_DIRECT from now on: one line naming the blob
-    where its filesystem refuses (tmpfs before Linux 6.6). With mapped it maps
-    its blob: one line where that is shorter than its records."""
+    """Set the plan's knobs on a new cache, its host tier too. With mapped it
+    maps its blob: one line where that is shorter than its records."""
     cache.device_resolve = device_resolve  # type: ignore[attr-defined]
     cache.readers = readers  # type: ignore[attr-defined]
-    if direct_io:
-        try:
-            cache.open_direct()  # type: ignore[attr-defined]
-        except ValueError as e:
-            raise NativeEngineError(str(e)) from None
     if mapped:
         try:
             cache.map_blob()  # type: ignore[attr-defined]
