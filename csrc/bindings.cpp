@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_experts.h"
+#include "cpu_matmul.h"
 #include "expert_cache.h"
 #include "expert_fetch.h"
 #include "mlx/version.h"
@@ -301,4 +302,14 @@ NB_MODULE(_native, m) {
       "threads"_a = 0,
       "mx.quantized_matmul(x, w, scales, biases, transpose=True) on the CPU, "
       "bit for bit, over `threads` threads (0: every core).");
+  m.def(
+      "exact_matmul",
+      [](const mlx::core::array& a, const mlx::core::array& b, bool transpose_b,
+         int threads) {
+        return moestream::exact_matmul(a, b, transpose_b, threads);
+      },
+      "a"_a, "b"_a, "transpose_b"_a = false, "threads"_a = 0,
+      "mx.matmul(a, b) of float32 [batch, M, K] @ [batch, K, N] ([batch, N, K] "
+      "read transposed where transpose_b) on the CPU, bit for bit, over "
+      "`threads` threads (0: every core).");
 }

@@ -9,6 +9,10 @@
 #include <thread>
 #include <utility>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/unary_ops.h"
@@ -179,6 +183,126 @@ inline void prefetch_block(const Matrix& m, int64_t r0) {
   }
 }
 
+#if defined(__AVX512F__)
+// Sixteen vectors of sixteen words, turned: r[i] (lane j) = r[j] (lane i).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// Words [w0, w0 + n) (n <= 16) of sixteen rows, one 64-byte load a row (masked
+// at the rows' end), turned so that ring[w & 31] holds word w of every row;
+// the same line of the rows `ahead` words on (the next block) is asked for.
+inline void load_words(const uint32_t* const* row, int64_t w0, int n,
+                       int64_t ahead, VU* ring) {
+  __mmask16 mask = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  __m512i r[16];
+  for (int j = 0; j < 16; j++) {
+    r[j] = _mm512_maskz_loadu_epi32(mask, row[j] + w0);
+    if (ahead) {
+      _mm_prefetch(reinterpret_cast<const char*>(row[j] + w0 + ahead),
+                   _MM_HINT_T1);
+    }
+  }
+  transpose16(r);
+  for (int i = 0; i < 16; i++) {
+    ring[(w0 + i) & 31] = VU(r[i]);
+  }
+}
+
+// Rows [r0, r0 + kRows) of m @ x, each lane's sum in MLX's _qmm_t order:
+// sum += x[k] * (scale * q + bias), k ascending. Two vectors of sixteen rows,
+// so two sums are in flight. Each row's words come in 64-byte lines, turned
+// so that lane j holds row j's word: a chunk of 32 values is `bits` words,
+// value i at bit i * bits (LSB first, as MLX's byte-wise unpacking reads
+// it). The next block's lines are asked for as these are read. Rows past the
+// end repeat the last row and are not stored.
+template <int bits, ScaleFormat F>
+void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
+  constexpr int64_t size = scale_size<F>();
+  const uint32_t* row[2][kLanes];
+  const uint8_t* sc[2][kLanes];
+  const uint8_t* bi[2][kLanes];
+  for (int v = 0; v < 2; v++) {
+    for (int j = 0; j < kLanes; j++) {
+      int64_t r = std::min(r0 + v * kLanes + j, m.rows - 1);
+      row[v][j] = reinterpret_cast<const uint32_t*>(m.w + r * m.row_bytes);
+      sc[v][j] = m.scales + r * m.groups * size;
+      bi[v][j] = m.biases + r * m.groups * size;
+    }
+  }
+  const int64_t words = m.row_bytes / 4, chunks = m.cols / 32;
+  const int per_group = m.group_size / 32;
+  // The next block, where this matrix has one: its words as they are read,
+  // its scales and biases now.
+  const int64_t ahead = r0 + kRows < m.rows ? kRows * words : 0;
+  if (ahead) {
+    const int64_t bytes = kRows * m.groups * size;
+    const int64_t at = (r0 + kRows) * m.groups * size;
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(m.scales + at + b), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(m.biases + at + b), _MM_HINT_T1);
+    }
+  }
+  alignas(64) VU ring[2][32];
+  VF acc0 = {}, acc1 = acc0, s0 = {}, s1 = {}, b0 = {}, b1 = {};
+  int64_t c = 0;
+  for (int64_t w0 = 0; w0 < words; w0 += 16) {
+    int n = int(std::min<int64_t>(16, words - w0));
+    load_words(row[0], w0, n, ahead, ring[0]);
+    load_words(row[1], w0, n, ahead, ring[1]);
+    for (; c < chunks && (c + 1) * bits <= w0 + n; c++) {
+      if (c % per_group == 0) {
+        int64_t g = c / per_group;
+        for (int j = 0; j < kLanes; j++) {
+          s0[j] = scale_at<F>(sc[0][j], g);
+          b0[j] = scale_at<F>(bi[0][j], g);
+          s1[j] = scale_at<F>(sc[1][j], g);
+          b1[j] = scale_at<F>(bi[1][j], g);
+        }
+      }
+      VU w0v[bits], w1v[bits];
+      for (int b = 0; b < bits; b++) {
+        w0v[b] = ring[0][(c * bits + b) & 31];
+        w1v[b] = ring[1][(c * bits + b) & 31];
+      }
+      const float* xc = x + c * 32;
+      [&]<int... I>(std::integer_sequence<int, I...>) {
+        ((acc0 = step<bits, I>(acc0, w0v, s0, b0, xc[I]),
+          acc1 = step<bits, I>(acc1, w1v, s1, b1, xc[I])),
+         ...);
+      }(std::make_integer_sequence<int, 32>{});
+    }
+  }
+  for (int j = 0; j < kLanes; j++) {
+    if (r0 + j < m.rows) {
+      out[r0 + j] = acc0[j];
+    }
+    if (r0 + kLanes + j < m.rows) {
+      out[r0 + kLanes + j] = acc1[j];
+    }
+  }
+}
+#else
 // Rows [r0, r0 + kRows) of m @ x, each lane's sum in MLX's _qmm_t order:
 // sum += x[k] * (scale * q + bias), k ascending. Two vectors of kLanes rows,
 // so two sums are in flight. Lane j unpacks its row's words: a chunk of 32
@@ -234,6 +358,8 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
     }
   }
 }
+
+#endif
 
 using RowsFn = void (*)(const Matrix&, int64_t, const float*, float*);
 

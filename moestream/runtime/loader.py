@@ -30,6 +30,7 @@ from ..formats.manifest import inside
 from ..formats.verify import check_files, check_safetensors
 from ..units import count
 from . import native
+from .attention import use_exact_attention
 from .backend import ExecutionPlan, compute_dtype, resolve
 from .config import RuntimeConfig
 from .memory import (  # noqa: F401  (re-exported: the plan's old home)
@@ -209,6 +210,7 @@ def _start(
         extra = execution.tuning.prefetch_extra
         chain_prefetch(model, streaming, model_config, extra)
     native.use_dense_kernel(model, execution)  # attention, router, lm_head
+    use_exact_attention(model, execution)  # q @ k.T and scores @ v
     mx.eval(model.parameters())
     all_fit = plan.capacity >= plan.num_experts
     bar = tqdm(

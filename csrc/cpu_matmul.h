@@ -1,0 +1,41 @@
+// An exact CPU float32 matmul: what MLX's CPU `matmul` computes (cblas_sgemm
+// with alpha 1 and beta 0, which the Linux wheel takes from the reference
+// BLAS), bit for bit, at vector speed. Each output is the reference BLAS's
+// sum, sum = sum + a[i, k] * b[k, j] from +0 with k ascending, one rounding
+// per multiply and per add; outputs run sixteen (eight with AVX2) to a
+// vector, several rows and vectors at once, split over threads.
+#pragma once
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace moestream {
+
+// a `[batch, M, K]` @ b `[batch, K, N]` (or b `[batch, N, K]` where
+// transpose_b), float32, row-contiguous inputs.
+class ExactMatmul : public mx::Primitive {
+ public:
+  ExactMatmul(mx::Stream s, bool transpose_b, int threads)
+      : mx::Primitive(s), transpose_b_(transpose_b), threads_(threads) {}
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&,
+                std::vector<mx::array>&) override;
+  const char* name() const override {
+    return "ExactMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  bool transpose_b_;
+  int threads_;
+};
+
+// mx.matmul(a, b) (b `[..., N, K]` read as its transpose where transpose_b)
+// for float32 `[batch, M, K]` inputs with equal batch, bit for bit.
+mx::array exact_matmul(const mx::array& a, const mx::array& b, bool transpose_b,
+                       int threads);
+
+} // namespace moestream

@@ -1,0 +1,146 @@
+"""Builds of the native extension side by side on a converted model: decode
+and prefill tok/s, each build in a fresh process per round, rounds
+interleaved, medians; every build's tokens and prefill logits compared.
+
+    .venv/bin/python scripts/kernel_ab.py build/bench-small \
+        --variants build/native-base.so,build/native-new.so \
+        [--rounds 3] [--tokens 32] [--prompt-tokens 128,1024] [--pct 100]
+
+Each child loads the named module (.so) as moestream._native before the
+runtime imports it, loads the model with `--pct` of each layer's experts in
+slots and the CPU kernel on, decodes `--tokens` sampled tokens (temperature
+1, the same seed in every process, so routing varies from token to token but
+not from build to build) after a 16-token prompt, and times a prefill of each
+`--prompt-tokens` length. A build's tokens or logits that differ from the
+first build's are reported: builds of an exact kernel agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def child(
+    variant: str, model_dir: str, pct: float, tokens: int, prompts: list[int]
+) -> dict:
+    so, _, flag = variant.partition(":")
+    spec = importlib.util.spec_from_file_location("moestream._native", so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["moestream._native"] = module
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from moestream.formats import load_manifest
+    from moestream.runtime import load, loader
+
+    if flag == "mlx-attention":  # the build before the kernel's attention
+        loader.use_exact_attention = lambda model, plan: 0
+
+    experts = load_manifest(Path(model_dir)).layers[0].num_experts
+    slots = max(8, round(experts * pct / 100))
+    model, _ = load(Path(model_dir), cache_experts=slots, cpu_kernel=True)
+    out: dict = {"prefill": {}, "digest": {}}
+    for p in prompts:
+        prompt = mx.array([(7 * i + 3) % 8000 + 1 for i in range(p)])[None]
+        cache = make_prompt_cache(model)
+        start = time.perf_counter()
+        logits = model(prompt, cache=cache)[:, -1]
+        mx.eval(logits)
+        out["prefill"][p] = p / (time.perf_counter() - start)
+        out["digest"][p] = hashlib.sha256(bytes(memoryview(logits))).hexdigest()[:16]
+    mx.random.seed(0)
+    cache = make_prompt_cache(model)
+    token = mx.random.categorical(
+        model(mx.array(list(range(1, 17)))[None], cache=cache)[:, -1]
+    )
+    mx.eval(token)
+    seq, start = [], time.perf_counter()
+    for _ in range(tokens):
+        token = mx.random.categorical(model(token[None], cache=cache)[:, -1])
+        mx.eval(token)
+        seq.append(token.item())
+    out["decode"] = tokens / (time.perf_counter() - start)
+    out["tokens"] = seq
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument(
+        "--variants", required=True, help="comma list of built modules (.so)"
+    )
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", default="")
+    ap.add_argument("--pct", type=float, default=100)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    prompts = [int(p) for p in args.prompt_tokens.split(",") if p]
+    if args.child:
+        res = child(args.child, args.model, args.pct, args.tokens, prompts)
+        print(json.dumps(res))
+        return
+    names = args.variants.split(",")
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    load = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
+    for _ in range(args.rounds):
+        for so in names:
+            cmd = [
+                sys.executable,
+                __file__,
+                args.model,
+                "--variants",
+                so,
+                "--child",
+                so,
+            ]
+            cmd += ["--tokens", str(args.tokens), "--pct", str(args.pct)]
+            cmd += ["--prompt-tokens", args.prompt_tokens]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            runs[so].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    load.append(
+        subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    )
+    table(names, runs, prompts, args.pct)
+    print("load before/after:", *load, sep="\n  ")
+
+
+def table(
+    names: list[str], runs: dict[str, list[dict]], prompts: list[int], pct: float
+) -> None:
+    first = runs[names[0]][0]
+    heads = "".join(f" prefill {p} tok/s | x first |" for p in prompts)
+    print(
+        f"| build ({pct:.0f} % slots) | decode tok/s | x first |{heads} same output |"
+    )
+    print("|---" * (4 + 2 * len(prompts)) + "|")
+    base = statistics.median(r["decode"] for r in runs[names[0]])
+    for n in names:
+        rs = runs[n]
+        dec = statistics.median(r["decode"] for r in rs)
+        row = (
+            f"| {Path(n).name.replace('_native.', '')} | {dec:.2f} | {dec / base:.2f} |"
+        )
+        for p in prompts:
+            f = statistics.median(r["prefill"][str(p)] for r in rs)
+            f0 = statistics.median(r["prefill"][str(p)] for r in runs[names[0]])
+            row += f" {f:.1f} | {f / f0:.2f} |"
+        same = all(
+            r["tokens"] == first["tokens"] and r["digest"] == first["digest"]
+            for r in rs
+        )
+        print(f"{row} {'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The kernel's float32 matmul (csrc/cpu_matmul.h) against mx.matmul, and
+attention on it (moestream/runtime/attention.py) against
+mx.fast.scaled_dot_product_attention, bit for bit; the streaming model with
+its attention rebound against mlx-lm's resident model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from helpers import PROMPT, logits_stepwise
+
+import moestream
+from moestream.runtime import Tuning, native
+from moestream.runtime import attention as att
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="the native extension is not built here"
+)
+
+
+def _operand(shape: tuple, key: int) -> mx.array:
+    """Normal values with a tenth of them zero (signed zeros in products)."""
+    a = mx.random.normal(shape, key=mx.random.key(key))
+    zero = mx.random.uniform(shape=shape, key=mx.random.key(key + 1)) < 0.1
+    return mx.where(zero, 0.0, a)
+
+
+@pytest.mark.parametrize(
+    "batch, m, k, n",
+    [
+        (1, 1, 64, 17),
+        (4, 4, 64, 40),
+        (2, 7, 33, 5),
+        (3, 130, 100, 64),
+        (1, 3, 1, 3),
+        (2, 16, 128, 100),
+        (1, 1, 1000, 1),
+        (2, 37, 16, 129),
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matmul_equals_mlx(batch, m, k, n, threads):
+    a = _operand((batch, m, k), 1)
+    b = _operand((batch, k, n), 3)
+    bt = _operand((batch, n, k), 5)
+    ours = native._native.exact_matmul(a, b, False, threads)
+    assert mx.array_equal(ours, a @ b).item()
+    ours_t = native._native.exact_matmul(a, bt, True, threads)
+    assert mx.array_equal(ours_t, a @ mx.swapaxes(bt, -1, -2)).item()
+
+
+def test_matmul_refuses_what_it_does_not_compute():
+    with pytest.raises(ValueError, match="float32"):
+        native._native.exact_matmul(
+            mx.zeros((1, 2, 2), mx.float16), mx.zeros((1, 2, 2), mx.float16)
+        )
+    with pytest.raises(ValueError, match=r"\[batch, M, K\]"):
+        native._native.exact_matmul(mx.zeros((1, 2, 3)), mx.zeros((1, 2, 3)))
+
+
+def _qkv(batch, heads, kv_heads, q_len, k_len, dim, key):
+    q = mx.random.normal((batch, heads, q_len, dim), key=mx.random.key(key))
+    k = mx.random.normal((batch, kv_heads, k_len, dim), key=mx.random.key(key + 1))
+    v = mx.random.normal((batch, kv_heads, k_len, dim), key=mx.random.key(key + 2))
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, q_len, k_len, dim",
+    [
+        (1, 16, 4, 1, 40, 64),
+        (1, 16, 4, 33, 33, 64),
+        (2, 8, 8, 5, 20, 32),
+        (1, 4, 2, 6, 9, 80),
+        (1, 6, 1, 17, 17, 128),
+        (1, 2, 2, 3, 11, 16),
+    ],
+)
+@pytest.mark.parametrize("mask", [None, "causal", "bool", "float"])
+def test_attention_equals_mlx_sdpa(batch, heads, kv_heads, q_len, k_len, dim, mask):
+    q, k, v = _qkv(batch, heads, kv_heads, q_len, k_len, dim, 11)
+    if mask == "bool":  # as a batch's left padding makes them
+        mask = (
+            mx.random.uniform(shape=(batch, 1, q_len, k_len), key=mx.random.key(2))
+            > 0.2
+        )
+    elif mask == "float":
+        mask = mx.random.normal((q_len, k_len), key=mx.random.key(3))
+    scale = dim**-0.5
+    ours = att.exact_sdpa(q, k, v, None, scale, mask)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    assert mx.array_equal(ours, theirs).item()
+
+
+def test_other_attention_runs_mlx_lm_own():
+    """Sinks, a quantized cache's attention and float16 are mlx-lm's path."""
+    q, k, v = _qkv(1, 4, 2, 3, 5, 16, 21)
+    sinks = mx.zeros((4,))
+    ours = att.exact_sdpa(q, k, v, None, 0.25, "causal", sinks=sinks)
+    theirs = mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=0.25, mask="causal", sinks=sinks
+    )
+    assert mx.array_equal(ours, theirs).item()
+    h = [a.astype(mx.float16) for a in (q, k, v)]
+    ours = att.exact_sdpa(*h, None, 0.25, None)
+    assert ours.dtype == mx.float16
+    theirs = mx.fast.scaled_dot_product_attention(*h, scale=0.25)
+    assert mx.array_equal(ours, theirs).item()
+
+
+def test_matches_this_mlx_and_leaves_its_random_state():
+    mx.random.seed(7)
+    expected = mx.random.normal((4,))
+    mx.random.seed(7)
+    att.matches_mlx.cache_clear()
+    assert att.matches_mlx()
+    assert mx.array_equal(mx.random.normal((4,)), expected).item()
+
+
+def _attentions(model) -> list:
+    return [m for _, m in model.named_modules() if type(m).__name__ == "Attention"]
+
+
+def test_rebinding_touches_one_model_only(converted, reference):
+    """The streaming model's attention runs the kernel; mlx-lm's resident
+    model of the same class keeps its own, and their logits agree."""
+    model, _ = moestream.load(converted, cache_experts=3, cpu_kernel=True)
+    ours, theirs = _attentions(model), _attentions(reference)
+    assert ours and len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        assert type(a) is not type(b) and isinstance(a, type(b))
+        bound = type(a).__call__.__globals__["scaled_dot_product_attention"]
+        assert bound.func is att.exact_sdpa
+        assert type(b).__call__.__globals__["scaled_dot_product_attention"] is (
+            att.base.scaled_dot_product_attention
+        )
+    off = SimpleNamespace(cpu_kernel=False, tuning=Tuning())
+    assert att.use_exact_attention(reference, off) == 0
+    a = logits_stepwise(model, PROMPT, steps=6)
+    b = logits_stepwise(reference, PROMPT, steps=6)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert mx.array_equal(x, y).item(), f"step {step} differs"
