@@ -164,25 +164,6 @@ inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
 }
 
 
-// Ask for every line of rows [r0, r0 + kRows) (the next call's): the rows
-// are short, and this many at once defeat the hardware prefetcher.
-template <ScaleFormat F>
-inline void prefetch_block(const Matrix& m, int64_t r0) {
-  int64_t r1 = std::min(r0 + kRows, m.rows);
-  if (r0 >= r1) {
-    return;
-  }
-  const uint8_t* w = m.w + r0 * m.row_bytes;
-  for (int64_t at = 0; at < (r1 - r0) * m.row_bytes; at += 64) {
-    __builtin_prefetch(w + at);
-  }
-  constexpr int64_t size = scale_size<F>();
-  for (int64_t at = 0; at < (r1 - r0) * m.groups * size; at += 64) {
-    __builtin_prefetch(m.scales + r0 * m.groups * size + at);
-    __builtin_prefetch(m.biases + r0 * m.groups * size + at);
-  }
-}
-
 #if defined(__AVX512F__)
 // Sixteen vectors of sixteen words, turned: r[i] (lane j) = r[j] (lane i).
 inline void transpose16(__m512i r[16]) {
@@ -303,6 +284,25 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
   }
 }
 #else
+// Ask for every line of rows [r0, r0 + kRows) (the next call's): the rows
+// are short, and this many at once defeat the hardware prefetcher.
+template <ScaleFormat F>
+inline void prefetch_block(const Matrix& m, int64_t r0) {
+  int64_t r1 = std::min(r0 + kRows, m.rows);
+  if (r0 >= r1) {
+    return;
+  }
+  const uint8_t* w = m.w + r0 * m.row_bytes;
+  for (int64_t at = 0; at < (r1 - r0) * m.row_bytes; at += 64) {
+    __builtin_prefetch(w + at);
+  }
+  constexpr int64_t size = scale_size<F>();
+  for (int64_t at = 0; at < (r1 - r0) * m.groups * size; at += 64) {
+    __builtin_prefetch(m.scales + r0 * m.groups * size + at);
+    __builtin_prefetch(m.biases + r0 * m.groups * size + at);
+  }
+}
+
 // Rows [r0, r0 + kRows) of m @ x, each lane's sum in MLX's _qmm_t order:
 // sum += x[k] * (scale * q + bias), k ascending. Two vectors of kLanes rows,
 // so two sums are in flight. Lane j unpacks its row's words: a chunk of 32

@@ -1,6 +1,7 @@
 """Where one decode step's time goes, for mlx-lm's resident model and the streaming one.
 
     .venv/bin/python scripts/profile_step.py build/bench-small [--steps 20]
+        [--prompt 128]
 
 Two measurements of the same greedy decode steps, side by side in one run:
 the plain step (MLX's lazy graph evaluated once, as generation runs it), and
@@ -114,18 +115,22 @@ def _step(model: nn.Module, token: mx.array, cache: list) -> mx.array:
     return logits[:, -1, :]
 
 
-def decode(model: nn.Module, steps: int, prof: Profiler) -> dict:
-    """Median seconds of plain and instrumented steps, alternating."""
+def decode(model: nn.Module, steps: int, prof: Profiler, prompt: int = 0) -> dict:
+    """Median seconds of plain and instrumented steps, alternating: decode
+    steps, or with `prompt` tokens, prefills of that many from an empty cache."""
     cache = make_prompt_cache(model)
     logits = _step(model, mx.array(PROMPT), cache)
     token = mx.argmax(logits, axis=-1)
     mx.eval(token)
+    long = mx.array([(7 * i + 3) % 8000 + 1 for i in range(prompt)])
     plain, timed, untimed = [], [], []
     parts: dict[str, list[float]] = defaultdict(list)
     for i in range(2 * steps + 2):
         instrumented = i % 2 == 1
         prof.seconds.clear()
         prof.on = instrumented
+        if prompt:
+            cache, token = make_prompt_cache(model), long
         start = time.perf_counter()
         logits = _step(model, token, cache)
         if instrumented:
@@ -199,7 +204,7 @@ def table(results: dict[str, dict]) -> str:
     plain = [r["plain"] for r in results.values()]
     lines.append(row("**plain step** (% of instrumented)", plain, inst))
     tps = " | ".join(f"{1 / p:.2f}" for p in plain)
-    lines.append(f"| plain decode tok/s | {tps} |")
+    lines.append(f"| plain steps a second | {tps} |")
     return "\n".join(lines)
 
 
@@ -211,6 +216,12 @@ def main() -> None:
         "--variants",
         default="resident,native,native+kernel",
         help="comma list of resident, python, native, native+kernel[:threads]",
+    )
+    ap.add_argument(
+        "--prompt",
+        type=int,
+        default=0,
+        help="time prefills of this many tokens (from an empty cache) instead",
     )
     args = ap.parse_args()
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout
@@ -228,7 +239,7 @@ def main() -> None:
             )
             model, _ = load(args.model, cfg)
         instrument(model, prof)
-        results[variant] = decode(model, args.steps, prof)
+        results[variant] = decode(model, args.steps, prof, args.prompt)
         del model
     print(table(results))
 
