@@ -11,8 +11,9 @@ runtime imports it, loads the model with `--pct` of each layer's experts in
 slots and the CPU kernel on, decodes `--tokens` sampled tokens (temperature
 1, the same seed in every process, so routing varies from token to token but
 not from build to build) after a 16-token prompt, and times a prefill of each
-`--prompt-tokens` length. A build's tokens or logits that differ from the
-first build's are reported: builds of an exact kernel agree bit for bit.
+`--prompt-tokens` length. Each round starts one build later than the last.
+A build's tokens or logits that differ from the first build's are reported:
+builds of an exact kernel agree bit for bit.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def main() -> None:
     names = args.variants.split(",")
     runs: dict[str, list[dict]] = {n: [] for n in names}
     load = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
-    for _ in range(args.rounds):
-        for so in names:
+    for r in range(args.rounds):
+        for so in names[r % len(names) :] + names[: r % len(names)]:  # rotated
             cmd = [
                 sys.executable,
                 __file__,
