@@ -8,6 +8,7 @@
 
 #include "cpu_experts.h"
 #include "cpu_matmul.h"
+#include "cpu_norm.h"
 #include "expert_cache.h"
 #include "expert_fetch.h"
 #include "mlx/version.h"
@@ -312,4 +313,12 @@ NB_MODULE(_native, m) {
       "mx.matmul(a, b) of float32 [batch, M, K] @ [batch, K, N] ([batch, N, K] "
       "read transposed where transpose_b) on the CPU, bit for bit, over "
       "`threads` threads (0: every core).");
+  m.def(
+      "exact_rms_norm",
+      [](const mlx::core::array& x, const mlx::core::array& w, float eps) {
+        return moestream::exact_rms_norm(x, w, eps);
+      },
+      "x"_a, "w"_a, "eps"_a,
+      "mx.fast.rms_norm(x, w, eps) of float32 on the CPU, bit for bit, as one "
+      "op.");
 }

@@ -1,7 +1,8 @@
-"""The kernel's float32 matmul (csrc/cpu_matmul.h) against mx.matmul, and
-attention on it (moestream/runtime/attention.py) against
-mx.fast.scaled_dot_product_attention, bit for bit; the streaming model with
-its attention rebound against mlx-lm's resident model."""
+"""The kernel's small exact ops against MLX's, bit for bit: the float32 matmul
+(csrc/cpu_matmul.h) against mx.matmul, attention on it
+(moestream/runtime/attention.py) against mx.fast.scaled_dot_product_attention,
+the RMS norm (csrc/cpu_norm.h) against mx.fast.rms_norm; the streaming model
+with them against mlx-lm's resident model."""
 
 from __future__ import annotations
 
@@ -58,6 +59,36 @@ def test_matmul_refuses_what_it_does_not_compute():
         )
     with pytest.raises(ValueError, match=r"\[batch, M, K\]"):
         native._native.exact_matmul(mx.zeros((1, 2, 3)), mx.zeros((1, 2, 3)))
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1024), (1, 16, 64), (3, 5, 80), (2, 7), (4, 1)]
+)
+@pytest.mark.parametrize("eps", [1e-6, 1e-5, 0.5])
+def test_rms_norm_equals_mlx(shape, eps):
+    x = _operand(shape, 7) * 3
+    w = _operand(shape[-1:], 9)
+    ours = native._native.exact_rms_norm(x, w, eps)
+    assert mx.array_equal(ours, mx.fast.rms_norm(x, w, eps)).item()
+
+
+def test_rms_norm_swaps_in_where_it_is_exact():
+    import mlx.nn as nn
+
+    norm = nn.RMSNorm(48, eps=1e-5)
+    norm.weight = mx.random.normal((48,), key=mx.random.key(1))
+    x = mx.random.normal((2, 3, 48), key=mx.random.key(2))
+    theirs, theirs16 = norm(x), norm(x.astype(mx.float16))
+    native.norm_matches_mlx.cache_clear()
+    assert (
+        native.use_dense_kernel(norm, SimpleNamespace(cpu_kernel=True, tuning=Tuning()))
+        == 1
+    )
+    assert type(norm) is native.KernelRMSNorm
+    assert mx.array_equal(norm(x), theirs).item()
+    assert mx.array_equal(norm(x.astype(mx.float16)), theirs16).item()  # MLX's own
+    with pytest.raises(ValueError, match="one weight per element"):
+        native._native.exact_rms_norm(x, mx.zeros((3,)), 1e-5)
 
 
 def _qkv(batch, heads, kv_heads, q_len, k_len, dim, key):
@@ -136,6 +167,10 @@ def test_rebinding_touches_one_model_only(converted, reference):
         assert type(b).__call__.__globals__["scaled_dot_product_attention"] is (
             att.base.scaled_dot_product_attention
         )
+    norms = [
+        type(m) for _, m in model.named_modules() if isinstance(m, native.nn.RMSNorm)
+    ]
+    assert norms and set(norms) == {native.KernelRMSNorm}
     off = SimpleNamespace(cpu_kernel=False, tuning=Tuning())
     assert att.use_exact_attention(reference, off) == 0
     a = logits_stepwise(model, PROMPT, steps=6)
