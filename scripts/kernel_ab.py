@@ -41,10 +41,12 @@ def child(
     from mlx_lm.models.cache import make_prompt_cache
 
     from moestream.formats import load_manifest
-    from moestream.runtime import load, loader
+    from moestream.runtime import load, loader, native
 
-    if flag == "mlx-attention":  # the build before the kernel's attention
+    if "mlx-attention" in flag:  # builds before the kernel's attention
         loader.use_exact_attention = lambda model, plan: 0
+    if "mlx-norm" in flag:  # builds before the kernel's RMS norm
+        native.norm_matches_mlx = lambda: False
 
     experts = load_manifest(Path(model_dir)).layers[0].num_experts
     slots = max(8, round(experts * pct / 100))

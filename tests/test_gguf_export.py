@@ -150,3 +150,63 @@ def test_a_failing_llama_bench_says_why_and_what_to_do(tmp_path: Path) -> None:
     assert message.startswith("llama-bench failed (1): llama_bench: error: failed")
     assert "--llama-arg=--repack --llama-arg=0" in message
     assert message.endswith(" ".join(job.argv()))
+
+
+def test_compare_reads_each_peer_row_as_llama_bench_and_prefills_every_repeat():
+    """ik_llama.cpp's rows are read with llama-bench's keys as llama.cpp's
+    are; every repeat runs each row's prefill beside its decode; the table's
+    "x llama.cpp" columns divide by the first llama.cpp row."""
+    from moestream.bench.peer import PeerRow, format_table, run_rows, summarize
+
+    def bench(tps: float) -> dict:
+        return {
+            "tps": tps,
+            "seconds": 1.0,
+            "peak_rss": 2**20,
+            "disk_bytes_per_token": 0,
+        }
+
+    def ours(tps: float) -> dict:
+        return {
+            "decode_tps": tps,
+            "prefill_tps": 2 * tps,
+            "prefill_s": 1.0,
+            "peak_rss": 2**20,
+            "disk_bytes_per_token": 0,
+            "bytes_per_token": 0,
+            "tokens": [1, 2],
+        }
+
+    rows = [
+        PeerRow(
+            "moestream", "8 (100 %)", "warm", lambda: ours(10.0), lambda: ours(10.0)
+        ),
+        PeerRow(
+            "llama.cpp q4_0",
+            "mmap",
+            "warm",
+            lambda: bench(20.0),
+            lambda: bench(40.0),
+            peer=True,
+        ),
+        PeerRow(
+            "ik_llama.cpp q4_0",
+            "mmap",
+            "warm",
+            lambda: bench(30.0),
+            lambda: bench(80.0),
+            peer=True,
+        ),
+    ]
+    said = []
+    run_rows(rows, 3, said.append)
+    assert len(said) == 9
+    out = [summarize(r, None) for r in rows]
+    assert [r["decode_tps"] for r in out] == [10.0, 20.0, 30.0]
+    assert [r["prefill_tps"] for r in out] == [20.0, 40.0, 80.0]
+    assert [len(r["prefill_spread"]) for r in out] == [3, 3, 3]
+    table = format_table({"rows": out})
+    assert "| moestream | 8 (100 %) | warm | 10.00 |  | 0.50 | 20.0 | 0.50 |" in table
+    assert (
+        "| ik_llama.cpp q4_0 | mmap | warm | 30.00 |  | 1.50 | 80.0 | 2.00 |" in table
+    )

@@ -1,7 +1,8 @@
 """moestream, mlx-lm resident and llama.cpp in one table, runs interleaved.
 
-Every run is a fresh process; each repeat runs every row once, in the same
-order, so the rows share the machine's load; medians are reported. The
+Every run is a fresh process; each repeat runs every row once (its decode,
+then its prefill), in the same order, so the rows share the machine's load;
+medians are reported. The
 llama.cpp rows run llama-bench (its `tg` test decodes random token ids, so
 its routing does not repeat; moestream decodes sampled tokens at
 temperature 1 for the same reason).
@@ -59,6 +60,7 @@ class PeerRow:
     mode: str
     decode_run: Callable[[], dict]
     prefill_run: Callable[[], dict] | None
+    peer: bool = False  # llama-bench's rows (llama.cpp, ik_llama.cpp)
     decode: list[dict] = field(default_factory=list)
     prefill: list[dict] = field(default_factory=list)
 
@@ -116,21 +118,25 @@ def _llama_row(cfg: PeerConfig, engine: str, base: LlamaJob, mode: str) -> PeerR
         mode,
         lambda j=tg: run_llama_bench(j),
         (lambda j=pp: run_llama_bench(j)) if cfg.prompt_tokens else None,
+        peer=True,
     )
+
+
+def run_rows(
+    rows: list[PeerRow], repeats: int, progress: Callable[[str], None]
+) -> None:
+    """Each repeat runs every row's decode, then its prefill, in turn."""
+    for r in range(repeats):
+        for row in rows:
+            row.decode.append(row.decode_run())
+            if row.prefill_run is not None:
+                row.prefill.append(row.prefill_run())
+            progress(f"repeat {r + 1}/{repeats} {row.engine} {row.slots} {row.mode}")
 
 
 def run_peer(cfg: PeerConfig, progress: Callable[[str], None] = print) -> dict:
     rows = moestream_rows(cfg) + llama_rows(cfg)
-    for r in range(cfg.repeats):
-        for row in rows:
-            row.decode.append(row.decode_run())
-            progress(
-                f"repeat {r + 1}/{cfg.repeats} {row.engine} {row.slots} {row.mode}"
-            )
-    for row in rows:
-        if row.prefill_run is not None:
-            row.prefill.append(row.prefill_run())
-            progress(f"prefill {row.engine} {row.slots} {row.mode}")
+    run_rows(rows, cfg.repeats, progress)
     return {
         "config": {k: str(v) for k, v in cfg.__dict__.items() if k != "bench"},
         "rows": [summarize(row, cfg) for row in rows],
@@ -143,7 +149,7 @@ def _median(runs: list[dict], key: str) -> float:
 
 
 def summarize(row: PeerRow, cfg: PeerConfig) -> dict:
-    llama = row.engine.startswith("llama.cpp")
+    llama = row.peer
     tps, pre = ("tps", "tps") if llama else ("decode_tps", "prefill_tps")
     entry = {
         "engine": row.engine,
@@ -152,6 +158,7 @@ def summarize(row: PeerRow, cfg: PeerConfig) -> dict:
         "decode_tps": _median(row.decode, tps),
         "decode_spread": [r[tps] for r in row.decode],
         "prefill_tps": _median(row.prefill, pre),
+        "prefill_spread": [r[pre] for r in row.prefill],
         # time to the first token of a prompt of prompt_tokens
         "ttft_s": _median(row.prefill, "seconds" if llama else "prefill_s"),
         "read_mb_per_token": None
@@ -172,7 +179,9 @@ COLUMNS = [
     ("mode", "mode", "{}"),
     ("decode_tps", "decode tok/s", "{:.2f}"),
     ("decode_ratio", "x mlx-lm", "{:.2f}"),
+    ("decode_vs_peer", "decode x llama.cpp", "{:.2f}"),
     ("prefill_tps", "prefill tok/s", "{:.1f}"),
+    ("prefill_vs_peer", "prefill x llama.cpp", "{:.2f}"),
     ("ttft_s", "TTFT s", "{:.2f}"),
     ("read_mb_per_token", "read MB/tok", "{:.1f}"),
     ("disk_mb_per_token", "disk MB/tok", "{:.1f}"),
@@ -182,12 +191,18 @@ COLUMNS = [
 
 
 def format_table(result: dict) -> str:
+    """The rows as a markdown table; "x llama.cpp" against the first llama.cpp
+    row (the first --gguf)."""
     rows = result["rows"]
     ref = next((r for r in rows if r["engine"] == "mlx-lm resident"), None)
+    peer = next((r for r in rows if r["engine"].startswith("llama.cpp")), None)
     head = [title for _, title, _ in COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         r = dict(r, peak_rss=r["peak_rss"] / 2**20)
+        if peer is not None:
+            r["decode_vs_peer"] = r["decode_tps"] / peer["decode_tps"]
+            r["prefill_vs_peer"] = r["prefill_tps"] / peer["prefill_tps"]
         if ref is not None:
             r["decode_ratio"] = r["decode_tps"] / ref["decode_tps"]
             if "tokens" in r:  # exactness: the same sampled tokens (same seed)
