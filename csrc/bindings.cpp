@@ -8,7 +8,7 @@
 
 #include "cpu_experts.h"
 #include "cpu_matmul.h"
-#include "cpu_norm.h"
+#include "cpu_ops.h"
 #include "expert_cache.h"
 #include "expert_fetch.h"
 #include "mlx/version.h"
@@ -321,4 +321,12 @@ NB_MODULE(_native, m) {
       "x"_a, "w"_a, "eps"_a,
       "mx.fast.rms_norm(x, w, eps) of float32 on the CPU, bit for bit, as one "
       "op.");
+  m.def(
+      "exact_softmax",
+      [](const mlx::core::array& x, int threads) {
+        return moestream::exact_softmax(x, threads);
+      },
+      "x"_a, "threads"_a = 0,
+      "mx.softmax(x, axis=-1) of float32 on the CPU, bit for bit, over "
+      "`threads` threads (0: every core).");
 }

@@ -1,7 +1,7 @@
 """The kernel's small exact ops against MLX's, bit for bit: the float32 matmul
 (csrc/cpu_matmul.h) against mx.matmul, attention on it
 (moestream/runtime/attention.py) against mx.fast.scaled_dot_product_attention,
-the RMS norm (csrc/cpu_norm.h) against mx.fast.rms_norm; the streaming model
+the RMS norm (csrc/cpu_ops.h) against mx.fast.rms_norm; the streaming model
 with them against mlx-lm's resident model."""
 
 from __future__ import annotations
@@ -89,6 +89,29 @@ def test_rms_norm_swaps_in_where_it_is_exact():
     assert mx.array_equal(norm(x.astype(mx.float16)), theirs16).item()  # MLX's own
     with pytest.raises(ValueError, match="one weight per element"):
         native._native.exact_rms_norm(x, mx.zeros((3,)), 1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 17), (3, 1024), (2, 5, 100), (4, 16, 33), (7, 3)]
+)
+@pytest.mark.parametrize("scale", [1.0, 30.0, 300.0])
+def test_softmax_equals_mlx(shape, scale):
+    x = _operand(shape, 13) * scale  # large scales reach exp's -88 cut-off
+    ours = native._native.exact_softmax(x, 2)
+    assert mx.array_equal(ours, mx.softmax(x, axis=-1, precise=True)).item()
+
+
+def test_softmax_keeps_mlx_edges():
+    """NaN, infinities and signed zeros come out as MLX's do."""
+    nan, inf = float("nan"), float("inf")
+    x = mx.array(
+        [[nan, 1.0, 2.0], [-inf, 0.0, 1.0], [-0.0, 0.0, -100.0], [inf, 1.0, 0.0]]
+    )
+    ours = native._native.exact_softmax(x, 1)
+    theirs = mx.softmax(x, axis=-1, precise=True)
+    assert mx.array_equal(ours, theirs, equal_nan=True).item()
+    with pytest.raises(ValueError, match="float32"):
+        native._native.exact_softmax(x.astype(mx.float16))
 
 
 def _qkv(batch, heads, kv_heads, q_len, k_len, dim, key):

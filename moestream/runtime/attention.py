@@ -4,11 +4,13 @@ On a CPU, `mx.fast.scaled_dot_product_attention` runs MLX's fallback: the
 queries times the scale, `q @ k.T`, the mask, a precise softmax, `@ v`. Its
 matmuls are MLX's CPU matmul, which the Linux wheel computes with the
 reference BLAS (one output at a time, k ascending, a multiply and an add
-each); csrc/cpu_matmul.h computes the same sums at vector speed. `exact_sdpa`
-is that fallback with those two matmuls swapped and every other step MLX's
-own op, so its output equals MLX's bit for bit (checked once at first use:
-`matches_mlx`). `use_exact_attention` rebinds a model's attention modules to
-it, each through a subclass whose `__call__` is mlx-lm's own code with
+each); csrc/cpu_matmul.h computes the same sums at vector speed, and
+csrc/cpu_ops.h MLX's softmax (its own exp, the row's sum in order) with its
+exps in vector lanes and rows over threads. `exact_sdpa` is that fallback
+with those three steps swapped and the others MLX's own ops, so its output
+equals MLX's bit for bit (checked once at first use: `matches_mlx`).
+`use_exact_attention` rebinds a model's attention modules to it, each
+through a subclass whose `__call__` is mlx-lm's own code with
 `scaled_dot_product_attention` resolved to `exact_sdpa`: the model's code
 and every other instance of its classes stay as they are.
 """
@@ -93,7 +95,7 @@ def exact_sdpa(
     scores = _masked(
         scores.reshape(b, kv_heads, rep, q_len, k_len), mask, queries, keys, rep
     )
-    scores = mx.softmax(scores, axis=-1, precise=True)
+    scores = _native.exact_softmax(scores, threads)  # mx.softmax(precise=True)
     v = values.reshape(b * kv_heads, k_len, values.shape[-1])
     out = _native.exact_matmul(
         scores.reshape(b * kv_heads, rep * q_len, k_len), v, False, threads
