@@ -104,11 +104,27 @@ inline float max_one(float a, float b) {
   return std::isnan(a) ? a : (a > b ? a : b);
 }
 
-// A row's maximum as MLX's loop takes it (a NaN stays; which of two equal
-// zeros wins does not change an exp of the difference).
+// A row's maximum as MLX's loop takes it: its first NaN where it has one
+// (taken by MLX's own loop), else the largest value (in lanes: which of two
+// equal zeros wins does not change an exp of the difference).
 inline float row_max(const float* in, int64_t m) {
+  int64_t i = 0;
   float top = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < m; i++) {
+#if defined(__AVX512F__)
+  __m512 best = _mm512_set1_ps(top);
+  __mmask16 nan = 0;
+  for (; i + kWide <= m; i += kWide) {
+    __m512 v = _mm512_loadu_ps(in + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_max_ps(v, best);
+  }
+  if (nan) {
+    i = 0;
+  } else {
+    top = _mm512_reduce_max_ps(best);
+  }
+#endif
+  for (; i < m; i++) {
     top = max_one(in[i], top);
   }
   return top;
