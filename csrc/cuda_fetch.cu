@@ -250,7 +250,22 @@ void gpu_fetch(ExpertCache& c, const std::vector<mx::array>& inputs,
       mlx::core::gpu_ptr<uint32_t>(out), int(n));
 }
 
-void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {
+namespace {
+// Host-side loads copy pinned tier records on this stream, all of a load's
+// queued at once, and wait for them once (gpu_load_wait), not once a segment.
+cudaStream_t load_stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t made;
+    check(cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking),
+          "cudaStreamCreateWithFlags");
+    return made;
+  }();
+  return s;
+}
+} // namespace
+
+void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot,
+                   bool pinned) {
   cu::device(mlx::core::Device(mlx::core::Device::gpu)).make_current();
   std::vector<uint8_t> cast;
   for (size_t i = 0; i < c.memory.segments.size(); i++) {
@@ -264,11 +279,20 @@ void gpu_load_copy(ExpertCache& c, const uint8_t* record, int slot) {
     if (seg.cast != Cast::None) {
       cast.resize(seg.nbytes / cast_src_size(seg.cast) * cast_dst_size(seg.cast));
       SlotArrays::cast_host(record + seg.offset, seg, cast.data());
-      src = cast.data();
-      nbytes = cast.size();
+      check(cudaMemcpy(dst, cast.data(), cast.size(), cudaMemcpyHostToDevice),
+            "cudaMemcpy");
+    } else if (pinned) { // the tier keeps the record until gpu_load_wait
+      check(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyHostToDevice,
+                            load_stream()),
+            "cudaMemcpyAsync");
+    } else {
+      check(cudaMemcpy(dst, src, nbytes, cudaMemcpyHostToDevice), "cudaMemcpy");
     }
-    check(cudaMemcpy(dst, src, nbytes, cudaMemcpyHostToDevice), "cudaMemcpy");
   }
+}
+
+void gpu_load_wait() {
+  check(cudaStreamSynchronize(load_stream()), "cudaStreamSynchronize");
 }
 
 uint8_t* pinned_alloc(size_t bytes) {

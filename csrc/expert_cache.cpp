@@ -203,14 +203,24 @@ void ExpertCache::load(const std::vector<int>& experts, int tokens,
   std::vector<uint32_t> ids(experts.begin(), experts.end());
   std::vector<uint32_t> out(ids.size());
   // The stream has run every earlier call: a tier's records they used may go.
-  resolve_call(ids.data(), ids.size(), tokens, out.data(), call,
-               [&](const uint8_t* record, int64_t, int s) {
-                 if (memory.on_gpu) {
-                   gpu_load_copy(*this, record, s);
-                 } else {
-                   memory.fill_host(record, s);
-                 }
-               });
+  auto use = [&](const uint8_t* record, int64_t host, int s) {
+    if (memory.on_gpu) { // a tier record (host >= 0) stays until we return
+      gpu_load_copy(*this, record, s, host >= 0);
+    } else {
+      memory.fill_host(record, s);
+    }
+  };
+  try {
+    resolve_call(ids.data(), ids.size(), tokens, out.data(), call, use);
+  } catch (...) {
+    if (memory.on_gpu) {
+      gpu_load_wait();
+    }
+    throw;
+  }
+  if (memory.on_gpu) {
+    gpu_load_wait();
+  }
 }
 
 std::vector<int> ExpertCache::table() {

@@ -48,7 +48,11 @@ mx::array fetch(std::shared_ptr<ExpertCache> cache, const mx::array& inds,
 // Implemented in cuda_fetch.cu when built with CUDA, else throw.
 void gpu_fetch(ExpertCache& cache, const std::vector<mx::array>& inputs,
                mx::array& out, bool predicted, int64_t call, mx::Stream s);
-void gpu_load_copy(ExpertCache& cache, const uint8_t* record, int slot);
+// A host-side load's copy of `record` into `slot`; from a pinned tier record
+// (which stays until the load ends) queued without waiting: gpu_load_wait.
+void gpu_load_copy(ExpertCache& cache, const uint8_t* record, int slot,
+                   bool pinned);
+void gpu_load_wait();
 // When the device resolves a layer's calls: wait for the device, then make
 // the host's table current again (before a host-side load reads it).
 void gpu_sync_host(ExpertCache& cache);

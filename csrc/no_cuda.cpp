@@ -18,9 +18,11 @@ void gpu_fetch(ExpertCache&, const std::vector<mx::array>&, mx::array&, bool,
   no_cuda();
 }
 
-void gpu_load_copy(ExpertCache&, const uint8_t*, int) {
+void gpu_load_copy(ExpertCache&, const uint8_t*, int, bool) {
   no_cuda();
 }
+
+void gpu_load_wait() {}
 
 void gpu_sync_host(ExpertCache&) {} // nothing resolves on a device here
 

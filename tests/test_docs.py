@@ -32,6 +32,7 @@ FOREIGN = {
     "bench", "variants",  # scripts/mode_ab.py, profile_step.py, synthetic_hf.py, ...
     "minutes", "out", "no-save-model", "max-gpu-gb",  # scripts/train_router.py
     "case", "cgroup", "limit",  # scripts/cgroup_ab.py
+    "prompts", "before", "tier", "groups",  # scripts/gpu_prefill.py, gpu_groups.py
 }  # fmt: skip
 
 

@@ -42,6 +42,15 @@ CPU_SLOTS, CPU_MAPPED, CUDA_TIERED, PYTHON = (
 )
 BACKENDS = (CPU_SLOTS, CPU_MAPPED, CUDA_TIERED, PYTHON)
 
+# MLX's CUDA gather_qmm (and quantized_matmul) runs its vector kernel (qmv)
+# on a call of fewer than 8 rows, its matrix kernel (qmm_sm80 for 4/8-bit
+# float16/bfloat16, else qmm_naive) on more; each kernel computes every row
+# alone, the same bits whatever the call's other rows (mlx
+# backend/cuda/quantized/quantized.cpp, GatherQMM::eval_gpu). A prefill
+# group's call, a part of the resident model's, must take its path: short
+# groups are padded to 8 rows. A CPU computes each row alone at any count.
+GPU_GROUP_ROWS = 8
+
 
 @dataclass(frozen=True)
 class ExecutionPlan:
@@ -54,6 +63,7 @@ class ExecutionPlan:
     cpu_kernel: bool  # routed experts and dense matmuls on the exact CPU kernel
     prefetch: bool  # the next layer's experts predicted and read ahead
     whole_calls: bool  # prefill groups run as whole calls (a spare zero slot)
+    group_rows: int  # the fewest rows a prefill group's call runs (padded)
     fill_tier: bool  # the host tier holds every record: read at load
     tuning: Tuning
 
@@ -138,7 +148,7 @@ def resolve(
     engine = _engine(t, gpu)
     _check_python(cfg, engine)
     kernel = _kernel_runs(t, engine, gpu)
-    whole = gpu if t.whole_calls is None else t.whole_calls
+    whole = bool(t.whole_calls)
     args = (manifest, model_config, dense, getattr(mx, compute), process())
     if cfg.backend == "mapped":
         _require_mapped(gpu, compute, kernel)
@@ -159,7 +169,10 @@ def resolve(
     every = sum(layer.num_experts for layer in manifest.layers)
     fill = memory.host_records >= every > 0
     prefetch = _prefetches(t, engine, memory, fill, gpu)
-    return ExecutionPlan(name, gpu, compute, memory, kernel, prefetch, whole, fill, t)
+    rows = GPU_GROUP_ROWS if gpu else 1
+    return ExecutionPlan(
+        name, gpu, compute, memory, kernel, prefetch, whole, rows, fill, t
+    )
 
 
 def _name(engine: str, mapped: bool, gpu: bool) -> str:

@@ -46,8 +46,9 @@ class Tuning:
         plan's backend reads ahead.
     prefetch_extra: experts predicted beyond the router's top-k.
     whole_calls: prefill groups run as the resident model's whole call (with a
-        spare zero slot); None: on a GPU, whose kernels pick their algorithm by
-        the rows of a call.
+        spare zero slot), every group computing every pair; None: off (each
+        group computes its own rows, padded on a GPU to the resident call's
+        kernel path).
     readers: reader threads of the host tier and of piecewise record reads.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
     record_trace: keep one event per MoE layer call in the stats.

@@ -72,6 +72,8 @@ class StreamingSwitchGLU(nn.Module):
         # Whole-call groups send other groups' pairs to a zero slot past the pool.
         self._whole = plan.whole_calls
         self._spare = self._capacity if plan.whole_calls else None
+        # A group's call runs at least this many rows (the plan's; see _rows).
+        self._group_rows = plan.group_rows
         self._targets = self._allocate_slots()
         slots = [m[n] for m, n in self._targets]
         self._engine: Engine = make_engine(
@@ -149,11 +151,11 @@ class StreamingSwitchGLU(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self._mapped is not None:  # any number of pairs: nothing to group
             return self._engine.finish(self._mapped(x, self.slots(x, indices)))
+        table = self._engine.table
+        if table is not None:  # prefill too: the resident model's one call
+            return self._resident(x, indices, table)
         if indices.size > self.capacity:
             return self._grouped(x, indices)
-        table = self._engine.table
-        if table is not None:
-            return self._resident(x, indices, table)
         return self._decode(x, indices)
 
     def _resident(self, x: mx.array, indices: mx.array, table: mx.array) -> mx.array:
@@ -184,8 +186,12 @@ class StreamingSwitchGLU(nn.Module):
             return engine.issue(self._experts(x, mx.array(lut[r.experts])))
         self._stats.grouped_calls += 1
         engine.willneed(r.unique)
-        groups = range(0, r.unique.size, self.capacity)
-        groups = [r.unique[g : g + self.capacity] for g in groups]
+        # The experts already in slots first: no group evicts one a later
+        # group would read again.
+        held = engine.slot_table()[r.unique] < self.capacity
+        first = np.concatenate([r.unique[held], r.unique[~held]])
+        groups = range(0, first.size, self.capacity)
+        groups = [first[g : g + self.capacity] for g in groups]
         run = self._groups_whole if self._whole else self._groups
         y = run(x, r, groups)
         engine.record(r)
@@ -234,8 +240,15 @@ class StreamingSwitchGLU(nn.Module):
     def _rows(
         self, x: mx.array, experts: np.ndarray, pairs: np.ndarray, lut: np.ndarray
     ) -> mx.array:
-        """The expert outputs of (token, k) `pairs` alone, `(len(pairs), D)`."""
-        k = experts.shape[-1]
-        rows = x.reshape(-1, x.shape[-1])[mx.array(pairs // k)]
-        slots = mx.array(lut[experts.reshape(-1)[pairs]])[:, None]
-        return self._experts(rows, slots)[:, 0]
+        """The expert outputs of (token, k) `pairs` alone, `(len(pairs), D)`.
+        A kernel that picks its algorithm by a call's rows (MLX's CUDA
+        gather_qmm: a vector kernel under 8) must see as many as the whole
+        call would: short groups run padded with copies of their first pair."""
+        k, n = experts.shape[-1], pairs.size
+        short = min(self._group_rows, experts.size) - n
+        run = (
+            np.concatenate([pairs, np.repeat(pairs[:1], short)]) if short > 0 else pairs
+        )
+        rows = x.reshape(-1, x.shape[-1])[mx.array(run // k)]
+        slots = mx.array(lut[experts.reshape(-1)[run]])[:, None]
+        return self._experts(rows, slots)[:n, 0]
