@@ -99,7 +99,7 @@ def test_capacity_for_budget_rows():
     assert capacity_for(100, 64, 8) == 64
 
 
-COMPARE = "policy=lru,whole_calls=true"
+COMPARE = "policy=lru,prefetch_extra=4"
 
 
 def test_bench_rows_cover_budgets_modes_and_variants(synthetic):

@@ -37,23 +37,12 @@ def engine(request) -> dict:
 
 
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
-@pytest.mark.parametrize(
-    "policy, whole",
-    [
-        ("lrfu", False),  # the CPU default: groups' rows computed alone
-        ("lru", False),
-        ("lrfu", True),  # groups as whole calls (a spare zero slot)
-    ],
-)
+@pytest.mark.parametrize("policy", ["lrfu", "lru"])
 def test_prefill_and_decode_logits_bit_identical(
-    converted, reference, cache_experts, policy, whole, engine
+    converted, reference, cache_experts, policy, engine
 ):
     model, _ = moestream.load(
-        converted,
-        cache_experts=cache_experts,
-        policy=policy,
-        whole_calls=whole,
-        **engine,
+        converted, cache_experts=cache_experts, policy=policy, **engine
     )
     ours = logits_stepwise(model, PROMPT, steps=12)
     theirs = logits_stepwise(reference, PROMPT, steps=12)
@@ -70,17 +59,6 @@ def test_prefill_and_decode_logits_bit_identical(
     assert s.fill_bytes == s.bytes_read  # no host tier: every fill read the blob
     assert s.evictions > 0  # the small caches really did evict and reload
     assert s.grouped_calls > 0  # 48 prompt tokens route to more than 5 experts
-
-
-def test_whole_call_groups_are_exact(converted, reference, engine):
-    """Grouped prefill as whole calls (a spare zero slot), run on the CPU."""
-    model, _ = moestream.load(converted, cache_experts=3, whole_calls=True, **engine)
-    ours, theirs = (
-        logits_stepwise(model, PROMPT, 4),
-        logits_stepwise(reference, PROMPT, 4),
-    )
-    assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
-    assert moestream.stats(model).grouped_calls > 0
 
 
 def test_plan_memory_splits_the_budget(converted, monkeypatch):

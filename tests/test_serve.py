@@ -394,7 +394,6 @@ ENGINE_FLAGS = {
 TUNING_SETS = {
     "policy=lru": ("policy", "lru"),
     "prefetch_extra=3": ("prefetch_extra", 3),
-    "whole_calls=off": ("whole_calls", False),
     "lrfu_decay=0.5": ("lrfu_decay", 0.5),
     "engine=python": ("engine", "python"),
     "prefetch=off": ("prefetch", False),

@@ -80,13 +80,13 @@ def test_every_engine_field_is_one_flag_with_help() -> None:
     assert names == {*user, "tuning_settings"}
     for name in user:
         assert len(field_help(name)) > 10
-    sets = ["prefetch=off", "policy=lru", "prefetch-extra=4", "whole_calls=on"]
+    sets = ["prefetch=off", "policy=lru", "prefetch-extra=4", "readers=3"]
     r = invoke(cmd, ["--backend", "slots", *(a for s in sets for a in ("--set", s))])
     got = json.loads(r.output)
     assert got["backend"] == "slots"
     want = {"prefetch": False, "policy": "lru", "prefetch_extra": 4}
-    assert got["tuning"] == {**want, "whole_calls": True}
-    assert RuntimeConfig(**got).tuning == Tuning(**want, whole_calls=True)
+    assert got["tuning"] == {**want, "readers": 3}
+    assert RuntimeConfig(**got).tuning == Tuning(**want, readers=3)
     bad = CliRunner().invoke(cmd, ["--backend", "fifo"])
     assert bad.exit_code == 2 and "fifo" in bad.output
     fifo = json.loads(invoke(cmd, ["--set", "policy=fifo"]).output)

@@ -173,21 +173,13 @@ def serve_cmd(
         return Server(model_dir, config, options, host, port, level, pipeline)
 
     server = user_errors(start)
-    if server.rank == 0:
-        click.echo(server.describe(), err=True)
-        click.echo(
-            f"serving {server.model_id!r} at {server.url}/v1 (Ctrl-C stops)", err=True
-        )
-    if server.rank == 0 and host not in ("127.0.0.1", "localhost", "::1"):
-        click.echo(
-            "note: mlx_lm.server only implements basic security checks; "
-            "keep it behind a trusted network.",
-            err=True,
-        )
-    # Stop on SIGTERM as on Ctrl-C; the caller's handler is back afterwards.
+    # Stop on SIGTERM as on Ctrl-C, from before "Ctrl-C stops" is printed (a
+    # caller may stop us as soon as it reads it); the caller's handler is
+    # back afterwards.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     failed: OSError | ValueError | None = None
     try:
+        _announce(server, host)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
@@ -205,3 +197,19 @@ def serve_cmd(
         click.echo(f"error: {failed}", err=True)
         sys.exit(2)
     click.echo("stopped", err=True)
+
+
+def _announce(server: Server, host: str) -> None:
+    """What rank 0 prints once it serves."""
+    if server.rank != 0:
+        return
+    click.echo(server.describe(), err=True)
+    click.echo(
+        f"serving {server.model_id!r} at {server.url}/v1 (Ctrl-C stops)", err=True
+    )
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(
+            "note: mlx_lm.server only implements basic security checks; "
+            "keep it behind a trusted network.",
+            err=True,
+        )

@@ -62,7 +62,6 @@ class ExecutionPlan:
     memory: MemoryPlan
     cpu_kernel: bool  # routed experts and dense matmuls on the exact CPU kernel
     prefetch: bool  # the next layer's experts predicted and read ahead
-    whole_calls: bool  # prefill groups run as whole calls (a spare zero slot)
     group_rows: int  # the fewest rows a prefill group's call runs (padded)
     fill_tier: bool  # the host tier holds every record: read at load
     tuning: Tuning
@@ -114,7 +113,6 @@ class ExecutionPlan:
             "compute": self.compute,
             "cpu_kernel": self.cpu_kernel,
             "prefetch": self.prefetch,
-            "whole_calls": self.whole_calls,
             "device_resolve": self.device_resolve,
             "describe": self.describe(),
         }
@@ -148,13 +146,12 @@ def resolve(
     engine = _engine(t, gpu)
     _check_python(cfg, engine)
     kernel = _kernel_runs(t, engine, gpu)
-    whole = bool(t.whole_calls)
     args = (manifest, model_config, dense, getattr(mx, compute), process())
     if cfg.backend == "mapped":
         _require_mapped(gpu, compute, kernel)
-        memory = _plan_mapped(cfg, whole, *args)
+        memory = _plan_mapped(cfg, *args)
     else:
-        memory = _plan_slots(cfg, whole, *args)
+        memory = _plan_slots(cfg, *args)
         if cfg.backend == "auto" and _mapped_by_default(
             cfg, memory, engine, gpu, compute, kernel, switches
         ):
@@ -162,7 +159,7 @@ def resolve(
                 "a slot for every expert does not fit: the experts stay mapped, "
                 "the page cache holds them (--backend slots: slots)"
             )
-            memory = _plan_mapped(cfg, whole, *args)
+            memory = _plan_mapped(cfg, *args)
     if engine == "native" and not memory.mapped:
         memory = _plan_host_tier(memory, manifest, cfg, gpu)
     name = _name(engine, memory.mapped, gpu)
@@ -170,9 +167,7 @@ def resolve(
     fill = memory.host_records >= every > 0
     prefetch = _prefetches(t, engine, memory, fill, gpu)
     rows = GPU_GROUP_ROWS if gpu else 1
-    return ExecutionPlan(
-        name, gpu, compute, memory, kernel, prefetch, whole, rows, fill, t
-    )
+    return ExecutionPlan(name, gpu, compute, memory, kernel, prefetch, rows, fill, t)
 
 
 def _name(engine: str, mapped: bool, gpu: bool) -> str:
@@ -275,7 +270,6 @@ def _mapped_by_default(
 
 def _plan_slots(
     cfg: RuntimeConfig,
-    whole: bool,
     manifest: Manifest,
     model_config: dict,
     dense: int,
@@ -294,15 +288,14 @@ def _plan_slots(
         cfg.context,
         budget,
         cfg.cache_experts,
-        whole,
         cfg.concurrency,
     )
 
 
-def _plan_mapped(cfg: RuntimeConfig, whole: bool, *args: object) -> MemoryPlan:
+def _plan_mapped(cfg: RuntimeConfig, *args: object) -> MemoryPlan:
     """The mapped backend: no slots; the budget holds the rest."""
     budget = parse_size(cfg.memory_budget) if cfg.memory_budget is not None else None
-    plan = _plan_slots(replace(cfg, memory_budget=None), whole, *args)  # type: ignore[arg-type]
+    plan = _plan_slots(replace(cfg, memory_budget=None), *args)  # type: ignore[arg-type]
     plan = replace(plan, capacity=0, budget=budget, mapped=True)
     if budget is not None and plan.total > budget:
         raise BudgetError(

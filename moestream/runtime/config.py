@@ -45,10 +45,6 @@ class Tuning:
     prefetch: the native engine's next-layer prediction; None: on where the
         plan's backend reads ahead.
     prefetch_extra: experts predicted beyond the router's top-k.
-    whole_calls: prefill groups run as the resident model's whole call (with a
-        spare zero slot), every group computing every pair; None: off (each
-        group computes its own rows, padded on a GPU to the resident call's
-        kernel path).
     readers: reader threads of the host tier and of piecewise record reads.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
     record_trace: keep one event per MoE layer call in the stats.
@@ -62,7 +58,6 @@ class Tuning:
     lrfu_decay: float = 0.98
     prefetch: bool | None = None
     prefetch_extra: int = 2
-    whole_calls: bool | None = None
     readers: int = 8
     kernel_threads: int = 0
     record_trace: bool = False

@@ -43,7 +43,7 @@ class MemoryPlan:
     dense: int
     kv_cache: int
     activations: int
-    staging: int  # a record being widened, the spare slots
+    staging: int  # a record being widened
     reserve: int  # allocator slack and fragmentation outside MLX's accounting
     slot_bytes: int  # one slot in every MoE layer
     capacity: int
@@ -136,7 +136,6 @@ def plan_memory(
     context: int,
     budget: int | None,
     cache_experts: int | None,
-    spare_slot: bool = False,
     concurrency: int = 1,
 ) -> MemoryPlan:
     """Split `budget`; `concurrency` sequences decode at once, and each layer
@@ -149,7 +148,6 @@ def plan_memory(
     kv = concurrency * _kv_bytes(config, context, compute)
     act = concurrency * _activation_bytes(config, context, top_k)
     staging = max((x.record_nbytes for x in manifest.layers), default=0)
-    staging += slot if spare_slot else 0  # the spare zero slot of whole groups
     if cache_experts is None and budget is None:
         fixed = process + dense + kv + act + staging
         budget = default_budget(fixed + num_experts * slot, process)

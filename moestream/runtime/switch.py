@@ -69,9 +69,6 @@ class StreamingSwitchGLU(nn.Module):
         self._stats = stats
         self._float_dtype = float_dtype
         self._capacity = min(capacity, layer.num_experts)
-        # Whole-call groups send other groups' pairs to a zero slot past the pool.
-        self._whole = plan.whole_calls
-        self._spare = self._capacity if plan.whole_calls else None
         # A group's call runs at least this many rows (the plan's; see _rows).
         self._group_rows = plan.group_rows
         self._targets = self._allocate_slots()
@@ -130,8 +127,7 @@ class StreamingSwitchGLU(nn.Module):
                 if seg.dtype in FLOAT_DTYPES
                 else getattr(mx, seg.dtype)
             )
-            rows = self.capacity + (self._spare is not None)
-            module[name] = mx.zeros((rows, *seg.shape), dtype)
+            module[name] = mx.zeros((self.capacity, *seg.shape), dtype)
             targets.append((module, name))
         params = {
             f"{p}.{n}"
@@ -192,8 +188,7 @@ class StreamingSwitchGLU(nn.Module):
         first = np.concatenate([r.unique[held], r.unique[~held]])
         groups = range(0, first.size, self.capacity)
         groups = [first[g : g + self.capacity] for g in groups]
-        run = self._groups_whole if self._whole else self._groups
-        y = run(x, r, groups)
+        y = self._groups(x, r, groups)
         engine.record(r)
         return engine.issue(y)
 
@@ -208,8 +203,8 @@ class StreamingSwitchGLU(nn.Module):
             self._engine.load(np.arange(self._layer.num_experts), tokens=0)
 
     def _groups(self, x: mx.array, r: Routing, groups: list[np.ndarray]) -> mx.array:
-        """Each group's rows computed alone (CPU: a gather kernel computes each
-        row by itself, so this equals the whole call) and put back in order."""
+        """Each group's rows computed alone and put back in order: the kernels
+        compute each row by itself, so this equals the whole call (see _rows)."""
         flat = r.experts.reshape(-1)
         order = np.argsort(flat, kind="stable")
         parts = []
@@ -220,22 +215,6 @@ class StreamingSwitchGLU(nn.Module):
             mx.eval(out)  # the next group overwrites these slots
             parts.append((pairs, out))
         return _assemble(parts, r.experts.shape)
-
-    def _groups_whole(
-        self, x: mx.array, r: Routing, groups: list[np.ndarray]
-    ) -> mx.array:
-        """Groups as whole calls: GPU kernels pick their algorithm by the rows
-        of a call, so each group runs the resident model's exact call, with the
-        pairs of other groups sent to a spare zero slot and masked out."""
-        y = None
-        for i, group in enumerate(groups):
-            lut = self._engine.load(group, r.tokens if i == 0 else 0, r.call)
-            member = np.isin(r.experts, group)
-            slots = np.where(member, lut[r.experts], self._spare)
-            out = self._inner(x, mx.array(slots))
-            y = out if y is None else mx.where(mx.array(member)[..., None], out, y)
-            mx.eval(y)  # the next group overwrites these slots
-        return y  # type: ignore[return-value]
 
     def _rows(
         self, x: mx.array, experts: np.ndarray, pairs: np.ndarray, lut: np.ndarray
