@@ -153,21 +153,40 @@ def generate_args(seed: int) -> list[str]:
     ]
 
 
+# `python -m mlx_lm generate ARGS` for each ARGS in turn, in one process: each
+# run is that command's own code run afresh (it seeds, loads and generates; the
+# process's first import of mlx-lm, ~2 s, is paid once), then a line RUN_END.
+RUN_END = "\x1e mlx_lm generate ended \x1e"
+GENERATE_RUNS = f"""
+import json, runpy, sys
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["mlx_lm", "generate", *args]
+    runpy.run_module("mlx_lm", run_name="__main__", alter_sys=True)
+    print({RUN_END!r}, flush=True)
+"""
+
+
 def mlx_lm_generate(runs: dict[object, tuple[Path, int]]) -> dict[object, str]:
-    """`python -m mlx_lm generate` of each (mlx-lm directory, seed), side by
-    side: the text each printed."""
-    procs = {
-        key: mlx_lm_command(
-            "generate", "--model", str(m), *generate_args(s), "--verbose", "False"
-        )
-        for key, (m, s) in runs.items()
-    }
-    texts = {}
-    for key, p in procs.items():
-        out, err = p.communicate(timeout=COMMAND_TIMEOUT)
-        assert p.returncode == 0, err
-        texts[key] = out.removesuffix("\n")  # it prints the text, then a newline
-    return texts
+    """`python -m mlx_lm generate` of each (mlx-lm directory, seed), one after
+    another in one process of their own: the text each printed."""
+    args = [
+        ["--model", str(m), *generate_args(s), "--verbose", "False"]
+        for m, s in runs.values()
+    ]
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    p = subprocess.run(
+        [sys.executable, "-c", GENERATE_RUNS, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        env=env,
+        timeout=COMMAND_TIMEOUT * len(args),
+    )
+    assert p.returncode == 0, p.stderr
+    texts = p.stdout.split(RUN_END + "\n")
+    assert len(texts) == len(args) + 1 and texts[-1] == "", p.stdout
+    # each printed its text, then a newline
+    return {key: t.removesuffix("\n") for key, t in zip(runs, texts, strict=False)}
 
 
 def tiny_converted(root: Path, bits: str, geometry: dict) -> tuple[Path, Path]:

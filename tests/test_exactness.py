@@ -36,16 +36,44 @@ def engine(request) -> dict:
     return ENGINES[request.param]
 
 
+@pytest.fixture(scope="module")
+def resident_logits(reference):
+    """logits_stepwise of the resident model on PROMPT by step count, computed
+    once for every test and engine (greedy: the same logits each time)."""
+    done: dict[int, list[mx.array]] = {}
+
+    def of(steps: int) -> list[mx.array]:
+        if steps not in done:
+            done[steps] = logits_stepwise(reference, PROMPT, steps)
+        return done[steps]
+
+    return of
+
+
+def once(fixture_cache: dict, key, build):
+    """build() the first time `key` is asked for, then what it gave."""
+    if key not in fixture_cache:
+        fixture_cache[key] = build()
+    return fixture_cache[key]
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    """What a test builds alike for each engine (a model and its resident
+    logits), by the test's key: built once, then shared by both engines."""
+    return {}
+
+
 @pytest.mark.parametrize("cache_experts", CACHE_SIZES)
 @pytest.mark.parametrize("policy", ["lrfu", "lru"])
 def test_prefill_and_decode_logits_bit_identical(
-    converted, reference, cache_experts, policy, engine
+    converted, resident_logits, cache_experts, policy, engine
 ):
     model, _ = moestream.load(
         converted, cache_experts=cache_experts, policy=policy, **engine
     )
     ours = logits_stepwise(model, PROMPT, steps=12)
-    theirs = logits_stepwise(reference, PROMPT, steps=12)
+    theirs = resident_logits(12)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert a.dtype == b.dtype == mx.float32
         assert mx.array_equal(a, b).item(), f"step {step} differs"
@@ -117,13 +145,17 @@ def test_float32_conversion_is_exact(hf_dir, tmp_path, engine):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype, engine):
+def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype, engine, built):
     """The stored bfloat16 (the GPU default), and float16 (rounded from it)."""
-    from moestream.reference import resident_model
-
     model, _ = moestream.load(converted, cache_experts=3, dtype=dtype, **engine)
-    ref = resident_model(hf_dir, recipe, compute_dtype=dtype)
-    ours, theirs = logits_stepwise(model, PROMPT, 4), logits_stepwise(ref, PROMPT, 4)
+    theirs = once(
+        built,
+        ("dtype", dtype),
+        lambda: logits_stepwise(
+            resident_model(hf_dir, recipe, compute_dtype=dtype), PROMPT, 4
+        ),
+    )
+    ours = logits_stepwise(model, PROMPT, 4)
     for a, b in zip(ours, theirs, strict=True):
         assert a.dtype == getattr(mx, dtype)
         assert mx.array_equal(a, b).item()
@@ -137,26 +169,27 @@ def test_other_compute_dtypes_exact(converted, hf_dir, recipe, dtype, engine):
         {"torch_dtype": "float32", "shards": 1},
     ],
 )
-def test_variants_exact(tmp_path, overrides, engine):
+def test_variants_exact(tmp_path_factory, overrides, engine, built):
     """Tied embeddings, no dense layers, float16 sources, other expert counts."""
-    from builders.synthetic import tiny_qwen3_moe
 
-    from moestream.converter import convert
-    from moestream.formats import Recipe
-    from moestream.reference import resident_model
+    def build() -> tuple:
+        from builders.synthetic import tiny_qwen3_moe
 
-    overrides = dict(overrides)
-    shards = overrides.pop("shards", 2)
-    dtype = getattr(mx, overrides.get("torch_dtype", "bfloat16"))
-    src = tiny_qwen3_moe(
-        tmp_path / "hf", dtype=dtype, seed=5, shards=shards, **overrides
-    )
-    convert(str(src), tmp_path / "out", bits="down_proj=8", progress=False)
-    ref = resident_model(src, Recipe.parse("down_proj=8"))
-    model, _ = moestream.load(tmp_path / "out", cache_experts=3, **engine)
-    for a, b in zip(
-        logits_stepwise(model, PROMPT, 3), logits_stepwise(ref, PROMPT, 3), strict=True
-    ):
+        from moestream.converter import convert
+        from moestream.formats import Recipe
+
+        root = tmp_path_factory.mktemp("variant")
+        more = dict(overrides)
+        shards = more.pop("shards", 2)
+        dtype = getattr(mx, more.get("torch_dtype", "bfloat16"))
+        src = tiny_qwen3_moe(root / "hf", dtype=dtype, seed=5, shards=shards, **more)
+        convert(str(src), root / "out", bits="down_proj=8", progress=False)
+        ref = resident_model(src, Recipe.parse("down_proj=8"))
+        return root / "out", logits_stepwise(ref, PROMPT, 3)
+
+    out, theirs = once(built, ("variant", repr(overrides)), build)
+    model, _ = moestream.load(out, cache_experts=3, **engine)
+    for a, b in zip(logits_stepwise(model, PROMPT, 3), theirs, strict=True):
         assert mx.array_equal(a, b).item()
 
 
@@ -175,21 +208,28 @@ def test_resident_from_converted_equals_source_reference(converted, reference):
     assert mx.array_equal(resident(PROMPT), reference(PROMPT)).item()
 
 
-def test_trained_demo_model_exact(tmp_path, engine):
+def test_trained_demo_model_exact(tmp_path_factory, engine, built):
     """The bundled trained model (real routing, real tokenizer), 4 of 16 resident."""
     from pathlib import Path
 
+    from mlx_lm.utils import load_tokenizer
+
     from moestream.converter import convert
     from moestream.formats import Recipe
-    from moestream.reference import resident_model
 
     src = Path(__file__).parent.parent / "examples" / "stdlib-moe"
-    convert(str(src), tmp_path / "demo", progress=False)
-    model, tokenizer = moestream.load(tmp_path / "demo", cache_experts=4, **engine)
-    ref = resident_model(src, Recipe())
-    prompt = mx.array(tokenizer.encode("import os\n\ndef walk(top):\n"))
-    ours = logits_stepwise(model, prompt[None], 24)
-    theirs = logits_stepwise(ref, prompt[None], 24)
+
+    def build() -> tuple:
+        out = tmp_path_factory.mktemp("demo") / "demo"
+        convert(str(src), out, progress=False)
+        tokens = load_tokenizer(out).encode("import os\n\ndef walk(top):\n")
+        prompt = mx.array(tokens)[None]
+        return out, prompt, logits_stepwise(resident_model(src, Recipe()), prompt, 24)
+
+    out, prompt, theirs = once(built, "demo", build)
+    model, tokenizer = moestream.load(out, cache_experts=4, **engine)
+    assert prompt.tolist()[0] == tokenizer.encode("import os\n\ndef walk(top):\n")
+    ours = logits_stepwise(model, prompt, 24)
     assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
     s = moestream.stats(model)
     assert 0 < s.hit_rate < 1

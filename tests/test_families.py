@@ -41,10 +41,14 @@ from moestream.runtime.loader import router_predictor
 
 # below top-k (2): every call runs in groups; mid: 5 of 8 experts resident
 CACHE_SIZES = [1, 5]
+ENGINES = ["python"] + (["native"] * native.available())
 DECODE_STEPS = 6
 # The oracle's compute dtype, named so the tests mean the same on a GPU ("auto"
 # would be the stored bfloat16 there).
 F32 = "float32"
+
+
+FAMILY_NAMES = sorted(set(HUB_LAYOUTS) - {"qwen3_moe"})
 
 
 @dataclass
@@ -56,7 +60,7 @@ class Case:
     logits: list[mx.array]
 
 
-@pytest.fixture(scope="module", params=sorted(set(HUB_LAYOUTS) - {"qwen3_moe"}))
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
 def case(request, tmp_path_factory) -> Case:
     family = request.param
     root = tmp_path_factory.mktemp(family)
@@ -95,19 +99,39 @@ def test_mlx_lm_private_get_classes_is_as_expected():
         assert callable(args_class.from_dict), family
 
 
-@pytest.mark.parametrize("engine", ["python"] + (["native"] * native.available()))
-@pytest.mark.parametrize("cache_experts", CACHE_SIZES)
-def test_logits_bit_identical(case: Case, cache_experts: int, engine: str):
+def logits_bit_identical(case: Case, cache_experts: int, engine: str) -> None:
     model, _ = moestream.load(
         case.out, cache_experts=cache_experts, dtype=F32, engine=engine
     )
     ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
     for step, (a, b) in enumerate(zip(ours, case.logits, strict=True)):
-        assert mx.array_equal(a, b).item(), f"{case.family}: step {step} differs"
+        assert mx.array_equal(a, b).item(), (
+            f"{case.family} ({engine}, {cache_experts} slots): step {step} differs"
+        )
     s = moestream.stats(model)
     assert s.misses > 0 and s.evictions > 0
     if cache_experts == 1:
         assert s.grouped_calls > 0
+
+
+def test_logits_bit_identical_both_engines_both_caches(case: Case):
+    """Each family through both engines and both cache sizes, paired crosswise
+    and the pairing alternating over the families (every engine at every cache
+    size on half of them); every pairing on every family: the slow test below."""
+    small, mid = CACHE_SIZES
+    if FAMILY_NAMES.index(case.family) % 2:
+        small, mid = mid, small
+    for cache_experts, engine in zip(
+        (small, mid), ["python", ENGINES[-1]], strict=True
+    ):
+        logits_bit_identical(case, cache_experts, engine)
+
+
+@pytest.mark.slow  # the same on every pairing: make test-all
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cache_experts", CACHE_SIZES)
+def test_logits_bit_identical(case: Case, cache_experts: int, engine: str):
+    logits_bit_identical(case, cache_experts, engine)
 
 
 @pytest.mark.slow  # MLX's CPU kernels run bfloat16 slowly: ~20 s for all families

@@ -163,32 +163,11 @@ def test_two_ranks_generic_family_exact(qwen2) -> None:
 
 
 SHARE = """
-import json, mlx.core as mx
-from moestream.pipeline import share_line
-g = mx.distributed.init()
-r = g.rank()
 lines = ["h\u00e9llo " + str(r), "" if r == 0 else "x", None if r == 0 else "y"]
-print(json.dumps([r, [share_line(g, line) for line in lines]]), flush=True)
+print(json.dumps(["share", r, [share_line(g, line) for line in lines]]), flush=True)
 """
 
-
-def test_every_rank_gets_rank_0s_line() -> None:
-    """chat --pipeline's input: rank 0's line (text, empty, or the end of
-    input) on every rank, whatever the other ranks read."""
-    r = launch(2, sys.executable, "-c", SHARE)
-    got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
-    assert sorted(got) == [
-        [0, ["h\u00e9llo 0", "", None]],
-        [1, ["h\u00e9llo 0", "", None]],
-    ]
-
-
 IN_FLIGHT = """
-import json, mlx.core as mx
-from mlx_lm.generate import generation_stream
-from moestream.pipeline import share_line
-g = mx.distributed.init()
-r = g.rank()
 x = mx.arange(256, dtype=mx.float32)
 with mx.stream(generation_stream):  # a step's hand-over, as mlx-lm runs one ahead
     if r == 1:  # sent late: its layer still computes when the turn reads a line
@@ -200,17 +179,48 @@ with mx.stream(generation_stream):  # a step's hand-over, as mlx-lm runs one ahe
         y = mx.distributed.recv_like(x, 1)
 mx.async_eval(y)
 line = share_line(g, "next turn" if r == 0 else None)
-print(json.dumps([r, line, (y == x).all().item()]), flush=True)
+print(json.dumps(["in flight", r, line, (y == x).all().item()]), flush=True)
+"""
+
+# One launch runs both scripts in turn (each launch starts three processes
+# that import mlx-lm): the ring's lines of each, by script.
+RING = """
+import json, mlx.core as mx
+from mlx_lm.generate import generation_stream
+from moestream.pipeline import share_line
+g = mx.distributed.init()
+r = g.rank()
 """
 
 
-def test_a_line_waits_for_the_step_in_flight() -> None:
+@pytest.fixture(scope="module")
+def ring_lines() -> tuple[dict[str, list], str]:
+    r = launch(2, sys.executable, "-c", RING + SHARE + IN_FLIGHT)
+    got: dict[str, list] = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("["):
+            script, *rest = json.loads(line)
+            got.setdefault(script, []).append(rest)
+    return got, r.stderr
+
+
+def test_every_rank_gets_rank_0s_line(ring_lines) -> None:
+    """chat --pipeline's input: rank 0's line (text, empty, or the end of
+    input) on every rank, whatever the other ranks read."""
+    got, stderr = ring_lines
+    assert sorted(got.get("share", [])) == [
+        [0, ["h\u00e9llo 0", "", None]],
+        [1, ["h\u00e9llo 0", "", None]],
+    ], stderr
+
+
+def test_a_line_waits_for_the_step_in_flight(ring_lines) -> None:
     """chat --pipeline reads a turn's line while mlx-lm's step ahead still
     sends on its stream: the line's all-sum waits for it (else both run on the
     ring's sockets at once: the hidden state received shifted by 4 bytes)."""
-    r = launch(2, sys.executable, "-c", IN_FLIGHT)
-    got = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
-    assert sorted(got) == [[0, "next turn", True], [1, "next turn", True]], r.stderr
+    got, stderr = ring_lines
+    want = [[0, "next turn", True], [1, "next turn", True]]
+    assert sorted(got.get("in flight", [])) == want, stderr
 
 
 @pytest.mark.slow

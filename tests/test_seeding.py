@@ -2,10 +2,12 @@
 
 mlx_lm.generate and mlx_lm.chat seed before they load, so the random numbers
 drawn while the model is built are part of what a seed gives. The oracle is
-mlx-lm's command itself, run in its own process on an mlx-lm directory of the
-same quantized weights (`mlx_lm.convert -q --q-bits 4 --q-group-size 64
---dtype float32` beside `convert-moe --bits gate_proj=4,up_proj=4,down_proj=4
---dtype float32` of one checkpoint); run-moe and chat must print its text.
+mlx-lm's command itself, run in a process apart from ours (the six runs of
+mlx_lm generate one after another in one: helpers.mlx_lm_generate) on an
+mlx-lm directory of the same quantized weights (`mlx_lm.convert -q --q-bits 4
+--q-group-size 64 --dtype float32` beside `convert-moe --bits
+gate_proj=4,up_proj=4,down_proj=4 --dtype float32` of one checkpoint); run-moe
+and chat must print its text.
 """
 
 from __future__ import annotations
