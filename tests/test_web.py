@@ -237,13 +237,15 @@ def test_page_files_are_served_and_self_contained(server: Server) -> None:
 def test_engines_count_uses_as_hits_and_misses(wider: Path) -> None:
     """Python and native engines count the same uses, layer by layer, and
     hold the same experts in their slots."""
-    from mlx_lm.generate import generate
+    from mlx_lm.generate import generate, generation_stream
 
     uses, tables = {}, {}
     for engine in ("python", "native"):
         model, tok = moestream.load(wider, cache_experts=6, engine=engine)
         generate(model, tok, "count me", max_tokens=8)
-        mx.synchronize()  # the step mlx-lm computed ahead has run (native)
+        # the step mlx-lm computed ahead, on its generation stream, has run
+        # (native counts a call when it runs): stats() takes what has run
+        mx.synchronize(generation_stream)
         s = moestream.stats(model)
         total = sum(int(u.sum()) for u in s.expert_uses.values())
         assert total == s.hits + s.misses

@@ -372,7 +372,10 @@ def _bound_allocators(plan: MemoryPlan) -> None:
 
 
 def stats(model: nn.Module) -> RuntimeStats:
-    """The counters of a model returned by `load`."""
+    """The counters of a model returned by `load`: of the calls that have run
+    (the native engine counts a call when MLX runs it; synchronize the
+    stream a step is computed on, such as mlx-lm's generation_stream, first
+    to count the calls still in flight)."""
     return runtime_of(model).stats.collect()
 
 
