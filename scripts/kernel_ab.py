@@ -10,10 +10,12 @@ Each child loads the named module (.so) as moestream._native before the
 runtime imports it, loads the model with `--pct` of each layer's experts in
 slots and the CPU kernel on, decodes `--tokens` sampled tokens (temperature
 1, the same seed in every process, so routing varies from token to token but
-not from build to build) after a 16-token prompt, and times a prefill of each
-`--prompt-tokens` length. Each round starts one build later than the last.
-A build's tokens or logits that differ from the first build's are reported:
-builds of an exact kernel agree bit for bit.
+not from build to build) after a 16-token prompt with mlx-lm's
+generate_step (as run-moe does: each step's graph built while the last one
+runs), and times a prefill of each `--prompt-tokens` length. Each round
+starts one build later than the last. A build's tokens or logits that
+differ from the first build's are reported: builds of an exact kernel agree
+bit for bit.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def child(
     spec.loader.exec_module(module)
     sys.modules["moestream._native"] = module
     import mlx.core as mx
+    from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
 
     from moestream.formats import load_manifest
     from moestream.runtime import load, loader, native
@@ -60,19 +64,18 @@ def child(
         mx.eval(logits)
         out["prefill"][p] = p / (time.perf_counter() - start)
         out["digest"][p] = hashlib.sha256(bytes(memoryview(logits))).hexdigest()[:16]
+    # as run-moe decodes: mlx-lm's generate_step, one step computed ahead
     mx.random.seed(0)
-    cache = make_prompt_cache(model)
-    token = mx.random.categorical(
-        model(mx.array(list(range(1, 17)))[None], cache=cache)[:, -1]
+    steps = generate_step(
+        mx.array(list(range(1, 17))),
+        model,
+        max_tokens=tokens + 1,
+        sampler=make_sampler(1.0),
     )
-    mx.eval(token)
-    seq, start = [], time.perf_counter()
-    for _ in range(tokens):
-        token = mx.random.categorical(model(token[None], cache=cache)[:, -1])
-        mx.eval(token)
-        seq.append(token.item())
-    out["decode"] = tokens / (time.perf_counter() - start)
-    out["tokens"] = seq
+    next(steps)  # the prompt and the first token
+    start = time.perf_counter()
+    out["tokens"] = [int(t) for t, _ in steps]
+    out["decode"] = len(out["tokens"]) / (time.perf_counter() - start)
     return out
 
 

@@ -38,7 +38,9 @@ def median_ms(f, n: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def child(so: str | None, tokens: list[int], mlx: bool, threads: int) -> dict:
+def child(
+    so: str | None, tokens: list[int], mlx: bool, threads: int, memory: bool
+) -> dict:
     if so:  # before moestream.runtime imports the installed one
         spec = importlib.util.spec_from_file_location("moestream._native", so)
         module = importlib.util.module_from_spec(spec)
@@ -66,8 +68,16 @@ def child(so: str | None, tokens: list[int], mlx: bool, threads: int) -> dict:
 
     def calls(x: mx.array, inds: mx.array) -> dict:
         w, s, b = linear.weight, linear.scales, linear.biases
+        # --from-memory: 8 routings in turn (the ids shifted by 8 each time)
+        # spread the calls over the 64 experts' 56 MB, past the L3: a call's
+        # weights come from memory, as in decode
+        turns = [(inds + 8 * i) % experts for i in range(8)] if memory else [inds]
+        mx.eval(turns)
+        count = iter(range(1 << 30))
         ops = {
-            "experts": lambda: ext.expert_mlp(x, inds, weights, [(4, 64)] * 3, threads),
+            "experts": lambda: ext.expert_mlp(
+                x, turns[next(count) % len(turns)], weights, [(4, 64)] * 3, threads
+            ),
             "matmul": lambda: ext.quant_matmul(x, w, s, b, 4, 64, threads),
         }
         if mlx:
@@ -92,11 +102,18 @@ def main() -> None:
     ap.add_argument("--variants", default="")
     ap.add_argument("--mlx", action="store_true")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument(
+        "--from-memory",
+        action="store_true",
+        help="each expert call routes to other experts than the last (the 64 "
+        "experts' 56 MB pass through the cache): decode's case",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.child is not None:
-        print(json.dumps(child(args.child, tokens, args.mlx, args.threads)))
+        out = child(args.child, tokens, args.mlx, args.threads, args.from_memory)
+        print(json.dumps(out))
         return
     builds = [b for b in args.variants.split(",") if b] or [""]
     runs: dict[str, list[dict]] = {b: [] for b in builds}
@@ -105,6 +122,7 @@ def main() -> None:
         for b in builds:
             cmd = [sys.executable, __file__, "--child", b, "--tokens", args.tokens]
             cmd += ["--threads", str(args.threads)] + (["--mlx"] if args.mlx else [])
+            cmd += ["--from-memory"] if args.from_memory else []
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             runs[b].append(json.loads(proc.stdout.splitlines()[-1]))
     print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
