@@ -164,6 +164,18 @@ inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
 }
 
 
+// The two vectors of sums of rows [r0, r0 + kRows), those before `rows`.
+inline void store_rows(float* out, int64_t r0, int64_t rows, VF acc0, VF acc1) {
+  for (int j = 0; j < kLanes; j++) {
+    if (r0 + j < rows) {
+      out[r0 + j] = acc0[j];
+    }
+    if (r0 + kLanes + j < rows) {
+      out[r0 + kLanes + j] = acc1[j];
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 // Sixteen vectors of sixteen words, turned: r[i] (lane j) = r[j] (lane i).
 inline void transpose16(__m512i r[16]) {
@@ -274,14 +286,7 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
       }(std::make_integer_sequence<int, 32>{});
     }
   }
-  for (int j = 0; j < kLanes; j++) {
-    if (r0 + j < m.rows) {
-      out[r0 + j] = acc0[j];
-    }
-    if (r0 + kLanes + j < m.rows) {
-      out[r0 + kLanes + j] = acc1[j];
-    }
-  }
+  store_rows(out, r0, m.rows, acc0, acc1);
 }
 #else
 // Ask for every line of rows [r0, r0 + kRows) (the next call's): the rows
@@ -349,14 +354,7 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
       }(std::make_integer_sequence<int, 32>{});
     }
   }
-  for (int j = 0; j < kLanes; j++) {
-    if (r0 + j < m.rows) {
-      out[r0 + j] = acc0[j];
-    }
-    if (r0 + kLanes + j < m.rows) {
-      out[r0 + kLanes + j] = acc1[j];
-    }
-  }
+  store_rows(out, r0, m.rows, acc0, acc1);
 }
 
 #endif
@@ -586,7 +584,7 @@ void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
   pool().run(n, threads, fn);
 }
 
-static int threads_or_all(int threads) {
+int threads_or_all(int threads) {
   if (threads > 0) {
     return threads;
   }
@@ -817,19 +815,6 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
   cache.finish(*pending);
   run_calls(xp, expert, experts, int64_t(later.size()), k, d_in, hidden, d_out,
             mat, fn, y, threads, later.data());
-}
-
-// Allocates `out` and runs `task` on the CPU stream's thread, inputs kept alive.
-template <typename Task>
-static void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
-                     mx::array& out, Task&& task) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream);
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  enc.set_output_array(out);
-  enc.dispatch(std::forward<Task>(task));
 }
 
 void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,

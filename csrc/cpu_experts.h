@@ -10,7 +10,9 @@
 #include <memory>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
 namespace mx = mlx::core;
@@ -42,6 +44,23 @@ class ExpertCache; // expert_cache.h
 
 // Runs fn(0..n-1) over `threads` threads (the caller's among them).
 void parallel_for(int n, int threads, const std::function<void(int)>& fn);
+
+// `threads`, or every core where it is 0.
+int threads_or_all(int threads);
+
+// Allocates `out` and runs `task` on the CPU stream's thread, inputs kept
+// alive: every CPU kernel's eval_cpu.
+template <typename Task>
+void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
+              mx::array& out, Task&& task) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  enc.dispatch(std::forward<Task>(task));
+}
 
 // SwitchGLU with SwiGLU on slots: out[t, j] = down(silu(gate(x_t)) * up(x_t))
 // with the experts of slot inds[t, j]. Inputs: x `[T, D]`, inds `[T, k]`,

@@ -3,11 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 #include "cpu_experts.h"
@@ -142,18 +139,11 @@ void run(const mx::array& a, const mx::array& b, mx::array& out,
 
 void ExactMatmul::eval_cpu(const std::vector<mx::array>& inputs,
                            std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& x : inputs) {
-    enc.set_input_array(x);
-  }
-  enc.set_output_array(out);
-  int threads = threads_ > 0
-      ? threads_
-      : int(std::max(1u, std::thread::hardware_concurrency()));
-  enc.dispatch([a = inputs[0], b = inputs[1], out, t = transpose_b_,
-                threads]() mutable { run(a, b, out, t, threads); });
+  dispatch(stream(), inputs, outputs[0],
+           [a = inputs[0], b = inputs[1], out = outputs[0], t = transpose_b_,
+            threads = threads_or_all(threads_)]() mutable {
+             run(a, b, out, t, threads);
+           });
 }
 
 void ExactMatmul::eval_gpu(const std::vector<mx::array>&,

@@ -5,14 +5,11 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
-#include <thread>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/simd/math.h"
 #include "mlx/ops.h"
 
@@ -175,24 +172,19 @@ void softmax_rows(const float* x, float* out, int64_t r0, int64_t r1,
 
 void ExactSoftmax::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(out);
-  int threads = threads_ > 0
-      ? threads_
-      : int(std::max(1u, std::thread::hardware_concurrency()));
-  enc.dispatch([x = inputs[0], out, threads]() mutable {
-    int64_t m = x.shape(-1), rows = x.size() / m;
-    constexpr int64_t kTask = 16; // rows of a task
-    int64_t tasks = (rows + kTask - 1) / kTask;
-    const float* in = x.data<float>();
-    float* o = out.data<float>();
-    parallel_for(int(tasks), threads, [&](int t) {
-      softmax_rows(in, o, t * kTask, std::min(rows, (t + 1) * kTask), m);
-    });
-  });
+  dispatch(stream(), inputs, outputs[0],
+           [x = inputs[0], out = outputs[0],
+            threads = threads_or_all(threads_)]() mutable {
+             int64_t m = x.shape(-1), rows = x.size() / m;
+             constexpr int64_t kTask = 16; // rows of a task
+             int64_t tasks = (rows + kTask - 1) / kTask;
+             const float* in = x.data<float>();
+             float* o = out.data<float>();
+             parallel_for(int(tasks), threads, [&](int t) {
+               softmax_rows(in, o, t * kTask, std::min(rows, (t + 1) * kTask),
+                            m);
+             });
+           });
 }
 
 void ExactSoftmax::eval_gpu(const std::vector<mx::array>&,
@@ -216,18 +208,13 @@ mx::array exact_softmax(const mx::array& x, int threads) {
 
 void ExactRmsNorm::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  enc.set_output_array(out);
-  enc.dispatch([x = inputs[0], w = inputs[1], out, eps = eps_]() mutable {
-    int64_t d = x.shape(-1);
-    rows(x.data<float>(), w.data<float>(), out.data<float>(), x.size() / d, d,
-         eps);
-  });
+  dispatch(stream(), inputs, outputs[0],
+           [x = inputs[0], w = inputs[1], out = outputs[0],
+            eps = eps_]() mutable {
+             int64_t d = x.shape(-1);
+             rows(x.data<float>(), w.data<float>(), out.data<float>(),
+                  x.size() / d, d, eps);
+           });
 }
 
 void ExactRmsNorm::eval_gpu(const std::vector<mx::array>&,

@@ -164,12 +164,17 @@ def test_other_attention_runs_mlx_lm_own():
     assert mx.array_equal(ours, theirs).item()
 
 
-def test_matches_this_mlx_and_leaves_its_random_state():
+@pytest.mark.parametrize(
+    "check", [native.kernel_matches_mlx, native.norm_matches_mlx, att.matches_mlx]
+)
+def test_first_use_checks_pass_here_and_leave_the_random_state(check):
+    """Each kernel's check at first use finds it equal to this MLX, and draws
+    nothing from MLX's random state (seeded sampling stays mlx-lm's)."""
     mx.random.seed(7)
     expected = mx.random.normal((4,))
     mx.random.seed(7)
-    att.matches_mlx.cache_clear()
-    assert att.matches_mlx()
+    check.cache_clear()
+    assert check()
     assert mx.array_equal(mx.random.normal((4,)), expected).item()
 
 
