@@ -33,7 +33,7 @@ FOREIGN = {
     "minutes", "out", "no-save-model", "max-gpu-gb",  # scripts/train_router.py
     "case", "cgroup", "limit",  # scripts/cgroup_ab.py
     "prompts", "before", "tier", "groups",  # scripts/gpu_prefill.py, gpu_groups.py
-    "from-memory", "pct",  # scripts/kernel_ops.py, kernel_ab.py
+    "from-memory",  # scripts/kernel_ops.py
 }  # fmt: skip
 
 
