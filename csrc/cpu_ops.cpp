@@ -6,7 +6,7 @@
 #include <limits>
 #include <stdexcept>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -87,8 +87,6 @@ inline void store_w(float* p, VFw v) {
 inline VFw sub_w(VFw a, float b) {
   return _mm512_sub_ps(a, _mm512_set1_ps(b));
 }
-#else
-constexpr int kWide = 1;
 #endif
 
 // One lane of MLX's exp: its own code, on its one-lane Simd.

@@ -2,10 +2,9 @@
 
 Every run is a fresh process; each repeat runs every row once (its decode,
 then its prefill), in the same order, so the rows share the machine's load;
-medians are reported. The
-llama.cpp rows run llama-bench (its `tg` test decodes random token ids, so
-its routing does not repeat; moestream decodes sampled tokens at
-temperature 1 for the same reason).
+medians are reported. The llama.cpp rows run llama-bench (its `tg` test
+decodes random token ids, so its routing does not repeat; moestream decodes
+sampled tokens at temperature 1 for the same reason).
 """
 
 from __future__ import annotations

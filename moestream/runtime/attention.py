@@ -1,4 +1,4 @@
-"""mlx-lm's attention with its two matmuls on the CPU kernel, bit for bit.
+"""mlx-lm's attention with its matmuls and softmax on the CPU kernel, bit for bit.
 
 On a CPU, `mx.fast.scaled_dot_product_attention` runs MLX's fallback: the
 queries times the scale, `q @ k.T`, the mask, a precise softmax, `@ v`. Its

@@ -210,7 +210,7 @@ def _start(
         extra = execution.tuning.prefetch_extra
         chain_prefetch(model, streaming, model_config, extra)
     native.use_dense_kernel(model, execution)  # q/k/v/o, router, lm_head, norms
-    use_exact_attention(model, execution)  # q @ k.T and scores @ v
+    use_exact_attention(model, execution)  # q @ k.T, softmax, scores @ v
     mx.eval(model.parameters())
     all_fit = plan.capacity >= plan.num_experts
     bar = tqdm(
