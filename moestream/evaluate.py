@@ -6,7 +6,9 @@ run on each sequence but its last token, cross-entropy against the next
 tokens, perplexity = exp(mean loss) with the delta-method standard error.
 With a reference (mlx-lm's model of the unquantized source), the same
 sequences also give the mean KL(reference || model) of the next-token
-distributions, per token.
+distributions, per token. A model loaded with the fast arithmetic is also run
+on the exact path (the same model and slots, `exact_arithmetic`): its
+perplexity there and the mean KL(exact || fast).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import mlx.nn as nn
 from tqdm import tqdm
 
 from .runtime.loader import resolve_dtype
+from .runtime.switch import exact_arithmetic
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class EvalResult:
     kl_se: float | None
     seconds: float
     tokens_per_second: float
+    # The fast arithmetic's model on the exact path: its perplexity, and the
+    # mean KL(exact || fast) per token.
+    exact_perplexity: float | None = None
+    kl_exact: float | None = None
+    kl_exact_se: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -65,16 +73,33 @@ def _batches(data: mx.array, batch_size: int) -> Iterator[mx.array]:
         yield data[s : s + batch_size]
 
 
+def _kl(p: mx.array, q: mx.array) -> mx.array:
+    """KL(p || q) per position, of logits."""
+    log_p = p - mx.logsumexp(p, axis=-1, keepdims=True)
+    log_q = q - mx.logsumexp(q, axis=-1, keepdims=True)
+    return (mx.exp(log_p) * (log_p - log_q)).sum(axis=-1).flatten()
+
+
+def _mean_se(parts: list[mx.array]) -> tuple[float, float, int]:
+    """Mean, its standard error and the count of the concatenated `parts`."""
+    every = mx.concatenate(parts)
+    n = every.size
+    se = mx.sqrt(mx.var(every, ddof=1)).item() / math.sqrt(n) if n > 1 else 0.0
+    return every.mean().item(), se, n
+
+
 def evaluate(
     model: nn.Module,
     data: mx.array,
     reference: nn.Module | None = None,
     batch_size: int = 1,
     progress: bool = False,
+    against_exact: bool = False,
 ) -> EvalResult:
-    """Perplexity of `model` over the rows of `data`, and with `reference`
-    the mean KL(reference || model) per token."""
-    losses, kls = [], []
+    """Perplexity of `model` over the rows of `data`; with `reference` the
+    mean KL(reference || model) per token; with `against_exact` (a model of
+    the fast arithmetic) the exact path's perplexity and KL(exact || model)."""
+    losses, kls, exact_losses, exact_kls = [], [], [], []
     start = time.perf_counter()
     batches = -(-data.shape[0] // batch_size)
     for batch in tqdm(
@@ -90,23 +115,26 @@ def evaluate(
         mx.eval(loss)
         losses.append(loss.flatten())
         if reference is not None:
-            ref = reference(batch[:, :-1]).astype(mx.float32)
-            log_p = ref - mx.logsumexp(ref, axis=-1, keepdims=True)
-            log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            kl = (mx.exp(log_p) * (log_p - log_q)).sum(axis=-1)
-            mx.eval(kl)
-            kls.append(kl.flatten())
+            kls.append(_kl(reference(batch[:, :-1]).astype(mx.float32), logits))
+            mx.eval(kls[-1])
+        if against_exact:
+            with exact_arithmetic(model):
+                exact = model(batch[:, :-1]).astype(mx.float32)
+            loss = nn.losses.cross_entropy(exact, batch[:, 1:], reduction="none")
+            exact_losses.append(loss.flatten())
+            exact_kls.append(_kl(exact, logits))
+            mx.eval(exact_losses[-1], exact_kls[-1])
     seconds = time.perf_counter() - start
-    all_losses = mx.concatenate(losses)
-    mean = all_losses.mean().item()
+    mean, se, n = _mean_se(losses)
     ppl = math.exp(mean)
-    n = all_losses.size
-    se = mx.sqrt(mx.var(all_losses, ddof=1)).item() / math.sqrt(n) if n > 1 else 0.0
-    kl_mean = kl_se = None
-    if kls:
-        all_kl = mx.concatenate(kls)
-        kl_mean = all_kl.mean().item()
-        kl_se = mx.sqrt(mx.var(all_kl, ddof=1)).item() / math.sqrt(n) if n > 1 else 0
+    kl_mean, kl_se, _ = _mean_se(kls) if kls else (None, None, 0)
+    extra = {}
+    if against_exact:
+        kl_exact, kl_exact_se, _ = _mean_se(exact_kls)
+        exact_ppl = math.exp(_mean_se(exact_losses)[0])
+        extra = dict(
+            exact_perplexity=exact_ppl, kl_exact=kl_exact, kl_exact_se=kl_exact_se
+        )
     return EvalResult(
         sequences=data.shape[0],
         context=data.shape[1],
@@ -118,6 +146,7 @@ def evaluate(
         kl_se=kl_se,
         seconds=seconds,
         tokens_per_second=n / seconds if seconds else 0.0,
+        **extra,
     )
 
 
@@ -142,6 +171,11 @@ def format_result(r: EvalResult, name: str) -> str:
     )
     if r.kl is not None:
         line += f"\nKL(reference || model): {r.kl:.5f} ± {r.kl_se:.5f} nats/token"
+    if r.kl_exact is not None:
+        line += (
+            f"\nexact arithmetic: perplexity {r.exact_perplexity:.3f}; "
+            f"KL(exact || fast): {r.kl_exact:.3g} ± {r.kl_exact_se:.2g} nats/token"
+        )
     return line
 
 

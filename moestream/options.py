@@ -30,9 +30,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 def _runtime() -> tuple[type, dict[str, tuple[str, ...]]]:
     """RuntimeConfig and the choices of its fields (imported on use: the
     converter's CLI shares `common_options` and never imports the runtime)."""
-    from .runtime.config import BACKENDS, DTYPES, RuntimeConfig
+    from .runtime.config import ARITHMETICS, BACKENDS, DTYPES, RuntimeConfig
 
-    return RuntimeConfig, {"dtype": DTYPES, "backend": BACKENDS}
+    choices = {"dtype": DTYPES, "backend": BACKENDS, "arithmetic": ARITHMETICS}
+    return RuntimeConfig, choices
 
 
 def field_help(name: str) -> str:

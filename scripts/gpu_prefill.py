@@ -5,10 +5,13 @@ repeat, medians reported, each run's sampled tokens checked against the
 resident model's.
 
     python scripts/gpu_prefill.py OUT --prompts 512,4096 --budgets 100,25 \\
-        --repeats 3 [--before DIR] [--json FILE]
+        --repeats 3 [--arithmetic exact,fast] [--before DIR] [--json FILE]
 
-`--before DIR`: each streaming row also runs the moestream package in DIR (an
-older checkout with its extension built), e.g. `git worktree add DIR COMMIT`.
+`--arithmetic exact,fast`: each budget runs with each arithmetic
+(RuntimeConfig.arithmetic); a fast row's tokens are checked against the first
+fast row's (the fast arithmetic is not mlx-lm's). `--before DIR`: each
+streaming row also runs the moestream package in DIR (an older checkout with
+its extension built), e.g. `git worktree add DIR COMMIT`.
 """
 
 from __future__ import annotations
@@ -47,24 +50,31 @@ def run(job: Job, root: Path) -> dict:
 
 
 def rows(
-    out: Path, budgets: list[float], before: Path | None, tier: str | None
+    out: Path,
+    budgets: list[float],
+    before: Path | None,
+    tier: str | None,
+    arithmetics: list[str],
 ) -> list[tuple]:
     """(name, capacity, root, runtime) per row; the resident row first. Rows
     under 100 % also run with a host tier of `tier` bytes, if given."""
     config = json.loads((out / "config.json").read_text())
     experts = max(layer.num_experts for layer in load_manifest(out).layers)
     top_k = int(config.get("num_experts_per_tok", 1))
-    default = RuntimeConfig()
-    found = [("mlx-lm resident", None, ROOT, default)]
-    for pct in budgets:
-        cap = capacity_for(pct, experts, top_k)
-        tiers = [("", default)]
-        if tier and pct < 100:
-            tiers.append((f", tier {tier}", RuntimeConfig(host_budget=tier)))
-        for label, runtime in tiers:
-            if before is not None:
-                found.append((f"{pct:g} %{label} before", cap, before, runtime))
-            found.append((f"{pct:g} %{label}", cap, ROOT, runtime))
+    found = [("mlx-lm resident", None, ROOT, RuntimeConfig())]
+    for arithmetic in arithmetics:
+        default = RuntimeConfig(arithmetic=arithmetic)
+        word = "" if arithmetic == "exact" else f" {arithmetic}"
+        for pct in budgets:
+            cap = capacity_for(pct, experts, top_k)
+            tiers = [("", default)]
+            if tier and pct < 100:
+                tiers.append((f", tier {tier}", replace(default, host_budget=tier)))
+            for label, runtime in tiers:
+                name = f"{pct:g} %{word}{label}"
+                if before is not None and arithmetic == "exact":
+                    found.append((f"{name} before", cap, before, runtime))
+                found.append((name, cap, ROOT, runtime))
     return found
 
 
@@ -77,10 +87,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--before", type=Path)
     p.add_argument("--tier", help="also rows with a host tier of this size")
+    p.add_argument("--arithmetic", default="exact", help="exact, fast or both")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     budgets = [float(b) for b in a.budgets.split(",")]
-    table = rows(a.out, budgets, a.before, a.tier)
+    arithmetics = a.arithmetic.split(",")
+    table = rows(a.out, budgets, a.before, a.tier, arithmetics)
     results: dict = {}
     for prompt in [int(n) for n in a.prompts.split(",")]:
         base = Job(str(a.out), None, prompt_tokens=prompt, decode_tokens=a.tokens)
@@ -88,15 +100,15 @@ def main() -> None:
             for name, cap, root, runtime in table:
                 got = run(replace(base, capacity=cap, runtime=runtime), root)
                 results.setdefault((prompt, name), []).append(got)
+                if a.json:  # every run kept, should the call be cut short
+                    flat = {f"{k[0]} {k[1]}": v for k, v in results.items()}
+                    a.json.write_text(json.dumps(flat, indent=1, default=str))
                 print(
                     f"{prompt} tokens, repeat {r + 1}, {name}: "
                     f"{got['prefill_tps']:.0f} tok/s",
                     flush=True,
                 )
         report(prompt, table, results)
-    if a.json:
-        flat = {f"{k[0]} {k[1]}": v for k, v in results.items()}
-        a.json.write_text(json.dumps(flat, indent=1, default=str))
 
 
 def report(prompt: int, table: list[tuple], results: dict) -> None:
@@ -105,16 +117,21 @@ def report(prompt: int, table: list[tuple], results: dict) -> None:
     print(f"\nprefill of {prompt} tokens, medians of {len(ref)} fresh processes")
     print("| row | prefill tok/s (runs) | x resident | decode tok/s | tokens |")
     print("|---|---|---|---|---|")
-    for name, *_ in table:
+    fast = [results[prompt, n] for n, _, _, r in table if r.arithmetic == "fast"]
+    for name, _, _, runtime in table:
         runs = results[prompt, name]
         tps = [x["prefill_tps"] for x in runs]
-        same = all(x["tokens"] == ref[0]["tokens"] for x in runs)
+        want = fast[0][0] if runtime.arithmetic == "fast" else ref[0]
+        same = all(x["tokens"] == want["tokens"] for x in runs)
+        mark = "identical" if same else "DIFFER"
+        if runtime.arithmetic == "fast":
+            mark += " (to the first fast row)"
         decode = statistics.median(x["decode_tps"] for x in runs)
         spread = ", ".join(f"{t:.0f}" for t in tps)
         print(
             f"| {name} | {statistics.median(tps):.0f} ({spread}) | "
             f"{statistics.median(tps) / ref_tps:.2f} | {decode:.1f} | "
-            f"{'identical' if same else 'DIFFER'} |"
+            f"{mark} |"
         )
     print(flush=True)
 

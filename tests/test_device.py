@@ -7,7 +7,9 @@ prefill and step-by-step decode, at several cache sizes and compute dtypes
 the resident model against itself (GPU kernels deterministic); the device
 kernel that resolves slots and host tier records against the host function
 (with a tier of every record and with one that evicts), read errors on both;
-prefetch refused (a GPU does not read ahead).
+prefetch refused (a GPU does not read ahead); the fast arithmetic against a
+resident model with the same arithmetic, greedy and seeded, and its groups'
+rows against its whole call's at the medium bench model's geometry.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import shutil
 import mlx.core as mx
 import pytest
 from helpers import PROMPT, corrupt_layer, logits_stepwise
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
 
 import moestream
 from moestream.formats import load_manifest
 from moestream.reference import resident_from_converted, resident_model
 from moestream.runtime import ExpertReadError
+from moestream.runtime.fast import use_fast_arithmetic
 
 pytestmark = [
     pytest.mark.device,
@@ -244,5 +249,90 @@ def test_group_rows_equal_the_whole_calls_rows(dtype, bits, group_size):
             for g in range(0, unique.size, size):
                 pairs = np.flatnonzero(np.isin(flat, unique[g : g + size]))
                 rows = StreamingSwitchGLU._rows(me, x, experts, pairs, lut)
+                same = mx.array_equal(rows, whole[mx.array(pairs)]).item()
+                assert same, (tokens, size, g, pairs.size)
+
+
+@pytest.mark.parametrize(
+    "cache_experts, engine", [(2, None), (5, None), (8, None), (3, "python")]
+)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_fast_streaming_exact_on_gpu(
+    converted, hf_dir, recipe, dtype, cache_experts, engine
+):
+    """The fast arithmetic: the streaming model equals mlx-lm's resident model
+    with the same arithmetic (use_fast_arithmetic), prefill (fast, grouped
+    under 8 slots) and decode (exact), greedy and seeded."""
+    ref = use_fast_arithmetic(resident_model(hf_dir, recipe, compute_dtype=dtype))
+    theirs = logits_stepwise(ref, PROMPT, DECODE_STEPS)
+    options = {"engine": engine} if engine else {}
+    model, _ = moestream.load(
+        converted, cache_experts=cache_experts, dtype=dtype, arithmetic="fast",
+        **options,
+    )  # fmt: skip
+    ours = logits_stepwise(model, PROMPT, DECODE_STEPS)
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert mx.array_equal(a, b).item(), f"step {step} differs"
+    assert moestream.stats(model).fast_calls == 2  # each MoE layer's prefill
+    sampled = []
+    for m in (model, ref):
+        mx.random.seed(5)
+        steps = generate_step(PROMPT[0], m, max_tokens=12, sampler=make_sampler(1.0))
+        sampled.append([int(t) for t, _ in steps])
+    assert sampled[0] == sampled[1]
+
+
+@pytest.mark.parametrize(
+    "dtype, bits, group_size",
+    [("bfloat16", 4, 64), ("float16", 4, 64), ("float32", 4, 64), ("bfloat16", 3, 64)],
+)
+def test_fast_groups_equal_the_fast_whole_call(dtype, bits, group_size):
+    """The fast arithmetic's rows of a group of experts, computed on that
+    group's weights alone (slots), equal the whole call's on every expert's,
+    at the medium bench model's geometry, from 1 to 4,096 tokens: CUTLASS's
+    grouped GEMM computes each row from its own expert alone."""
+    from types import SimpleNamespace
+
+    import mlx.nn as nn
+    import numpy as np
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from moestream.runtime.backend import GPU_GROUP_ROWS
+    from moestream.runtime.fast import fast_glu
+    from moestream.runtime.switch import StreamingSwitchGLU
+
+    mx.random.seed(3)
+    glu = SwitchGLU(2048, 768, 128)
+    nn.quantize(glu, group_size=group_size, bits=bits)
+    glu.set_dtype(getattr(mx, dtype))
+    rng = np.random.default_rng(0)
+    for tokens in (1, 7, 64, 512, 4096):
+        x = mx.random.normal((1, tokens, 2048)).astype(getattr(mx, dtype)) * 0.5
+        experts = np.argsort(rng.random((1, tokens, 128)), axis=-1)[..., :8]
+        whole = fast_glu(glu, x, mx.array(experts.astype(np.uint32)))
+        whole = whole.reshape(-1, 2048)
+        flat = experts.reshape(-1)
+        unique = np.unique(flat)
+        for size in (3, 32):
+            for g in range(0, unique.size, size):
+                group = unique[g : g + size]
+                slots = SwitchGLU(2048, 768, group.size)
+                nn.quantize(slots, group_size=group_size, bits=bits)
+                picked = mx.array(group.astype(np.uint32))
+                slots.update(
+                    {
+                        n: {k: v[picked] for k, v in glu[n].items()}
+                        for n in ("gate_proj", "up_proj", "down_proj")
+                    }
+                )
+                lut = np.zeros(128, np.uint32)
+                lut[group] = np.arange(group.size, dtype=np.uint32)
+                me = SimpleNamespace(_group_rows=GPU_GROUP_ROWS, _experts=None)
+                pairs = np.flatnonzero(np.isin(flat, group))
+
+                def compute(rows, idx, slots=slots):
+                    return fast_glu(slots, rows, idx)
+
+                rows = StreamingSwitchGLU._rows(me, x, experts, pairs, lut, compute)
                 same = mx.array_equal(rows, whole[mx.array(pairs)]).item()
                 assert same, (tokens, size, g, pairs.size)

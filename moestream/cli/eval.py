@@ -53,7 +53,8 @@ def eval_cmd(
     as_json: bool,
     engine: dict,
 ) -> None:
-    """Perplexity of OUT over a text file, as mlx_lm.perplexity computes it."""
+    """Perplexity of OUT over a text file, as mlx_lm.perplexity computes it;
+    with --arithmetic fast, also the exact path's and the KL between them."""
     from ..evaluate import evaluate, format_result, load_reference, read_text, sequences
     from ..runtime.loader import load, runtime_of
 
@@ -68,7 +69,8 @@ def eval_cmd(
         ref = None
         if reference:
             ref = load_reference(reference, runtime_of(model).manifest.dtype)
-        result = evaluate(model, rows, ref, batch_size, progress=not as_json)
+        fast = runtime_of(model).execution.fast  # also run on the exact path
+        result = evaluate(model, rows, ref, batch_size, not as_json, fast)
         return {"result": result, "stats": runtime_of(model).stats.as_dict()}
 
     out = user_errors(run)

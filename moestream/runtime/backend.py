@@ -30,6 +30,7 @@ from ..formats import Manifest
 from ..units import count, human_bytes, parse_size
 from . import native
 from .config import RuntimeConfig, Tuning
+from .fast import FAST_ROWS_PER_EXPERT
 from .memory import BudgetError, MemoryPlan, available_memory, plan_memory
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class ExecutionPlan:
     group_rows: int  # the fewest rows a prefill group's call runs (padded)
     fill_tier: bool  # the host tier holds every record: read at load
     tuning: Tuning
+    fast: bool = False  # prefill-sized expert calls on dequantized weights
 
     @property
     def native(self) -> bool:
@@ -100,6 +102,11 @@ class ExecutionPlan:
             words.append(f"prefetch top-k + {self.tuning.prefetch_extra}")
         if self.device_resolve:
             words.append("device-resolved calls")
+        if self.fast:
+            words.append(
+                f"fast arithmetic (calls of {FAST_ROWS_PER_EXPERT}+ rows per expert "
+                "on dequantized weights)"
+            )
         words.append(self.compute)
         return words
 
@@ -114,6 +121,7 @@ class ExecutionPlan:
             "cpu_kernel": self.cpu_kernel,
             "prefetch": self.prefetch,
             "device_resolve": self.device_resolve,
+            "arithmetic": "fast" if self.fast else "exact",
             "describe": self.describe(),
         }
 
@@ -146,6 +154,7 @@ def resolve(
     engine = _engine(t, gpu)
     _check_python(cfg, engine)
     kernel = _kernel_runs(t, engine, gpu)
+    _check_fast(cfg, gpu, compute)
     args = (manifest, model_config, dense, getattr(mx, compute), process())
     if cfg.backend == "mapped":
         _require_mapped(gpu, compute, kernel)
@@ -167,7 +176,10 @@ def resolve(
     fill = memory.host_records >= every > 0
     prefetch = _prefetches(t, engine, memory, fill, gpu)
     rows = GPU_GROUP_ROWS if gpu else 1
-    return ExecutionPlan(name, gpu, compute, memory, kernel, prefetch, rows, fill, t)
+    fast = cfg.arithmetic == "fast"
+    return ExecutionPlan(
+        name, gpu, compute, memory, kernel, prefetch, rows, fill, t, fast
+    )
 
 
 def _name(engine: str, mapped: bool, gpu: bool) -> str:
@@ -208,6 +220,16 @@ def _check_python(cfg: RuntimeConfig, engine: str) -> None:
                 f"The python engine has no {what}; use engine='native' or leave "
                 "it unset."
             )
+
+
+def _check_fast(cfg: RuntimeConfig, gpu: bool, compute: str) -> None:
+    """The fast arithmetic runs MLX's gather_mm, which on a CPU takes float32
+    alone."""
+    if cfg.arithmetic == "fast" and not gpu and compute != "float32":
+        raise ValueError(
+            f"The fast arithmetic on a CPU computes in float32, not {compute}; "
+            "use dtype='float32' or 'auto'."
+        )
 
 
 def _kernel_runs(t: Tuning, engine: str, gpu: bool) -> bool:
@@ -257,6 +279,7 @@ def _mapped_by_default(
     expert and the kernel covers every layer (nothing slot-bound was asked)."""
     return (
         memory.capacity < memory.num_experts
+        and cfg.arithmetic == "exact"
         and cfg.memory_budget is None
         and cfg.cache_experts is None
         and cfg.host_budget is None

@@ -17,6 +17,9 @@ DEFAULT_CONTEXT = 4096
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # What a user may ask for; the plan turns "auto" into the backend that runs.
 BACKENDS = ("auto", "slots", "mapped")
+# "exact": mlx-lm's kernels; "fast": prefill-sized expert calls on dequantized
+# weights (runtime/fast.py).
+ARITHMETICS = ("exact", "fast")
 ENGINES = ("python", "native")
 # Cache policies; runtime/pool.py and csrc's policy implement each.
 POLICIES = ("lrfu", "lru")
@@ -101,6 +104,9 @@ class RuntimeConfig:
     backend: "slots" (experts copied into resident slots), "mapped" (on a CPU,
         experts computed in place from the page cache, as llama.cpp's mmap) or
         "auto" (mapped where a CPU's slots cannot hold every expert).
+    arithmetic: "exact" (mlx-lm's kernels: the resident model's bits) or "fast"
+        (prefill-sized expert calls on dequantized weights with tensor-core
+        GEMMs; not mlx-lm's bits: `moestream eval` reports how far).
     """
 
     memory_budget: int | str | None = None
@@ -111,6 +117,7 @@ class RuntimeConfig:
     context: int = DEFAULT_CONTEXT
     concurrency: int = 1
     backend: str = "auto"
+    arithmetic: str = "exact"
     # Not a user setting: the developer's knobs (tests, the bench); a dict of
     # Tuning's fields (a command's --set, a bench job's JSON) becomes one.
     tuning: Tuning = field(default_factory=Tuning)
@@ -131,6 +138,11 @@ class RuntimeConfig:
             raise ValueError(
                 f"Unknown backend {self.backend!r}; use one of {', '.join(BACKENDS)}."
             )
+        if self.arithmetic not in ARITHMETICS:
+            raise ValueError(
+                f"Unknown arithmetic {self.arithmetic!r}; use one of "
+                f"{', '.join(ARITHMETICS)}."
+            )
         if not self.context >= 1:
             raise ValueError(f"context must be at least 1 token, got {self.context}.")
         if self.backend == "mapped":
@@ -144,6 +156,7 @@ class RuntimeConfig:
             (t.cpu_kernel is False, "cpu_kernel=False (the kernel reads the map)"),
             (self.cache_experts is not None, "cache_experts (it has no slots)"),
             (self.host_budget is not None, "host_budget (the page cache is its tier)"),
+            (self.arithmetic == "fast", "arithmetic='fast' (it computes on slots)"),
         ]
         for clash, what in clashes:
             if clash:

@@ -24,6 +24,8 @@ class RuntimeStats:
     # native engine's host tier (on a GPU, over the bus).
     fill_bytes: int = 0
     grouped_calls: int = 0
+    # Calls computed with the fast arithmetic (RuntimeConfig.arithmetic).
+    fast_calls: int = 0
     # Decode calls of layers that hold every expert: no read, no host sync.
     sync_free_calls: int = 0
     # Calls whose slots the native engine resolved inside the stream.
@@ -209,6 +211,7 @@ class RuntimeStats:
             "prefetch_recall": self.prefetch_recall,
             "prefetch_wasted_bytes": self.wasted_bytes,
             "sync_free_calls": self.sync_free_calls,
+            "fast_calls": self.fast_calls,
             "native_calls": self.native_calls,
             "device_calls": self.device_calls,
             "host_hits": self.host_hits,

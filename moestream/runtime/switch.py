@@ -19,7 +19,9 @@ computation ever reads a slot that a later call overwrites.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,10 +32,13 @@ from ..formats import ExpertLayer
 from . import native
 from .backend import ExecutionPlan
 from .engines import Engine, Outstanding, Routing, make_engine
+from .fast import fast_glu, fast_pairs
 from .stats import RuntimeStats
 from .store import ExpertStore
 
-__all__ = ["Outstanding", "Routing", "StreamingSwitchGLU"]
+__all__ = ["Outstanding", "Routing", "StreamingSwitchGLU", "exact_arithmetic"]
+
+Experts = Callable[[mx.array, mx.array], mx.array]
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -79,6 +84,9 @@ class StreamingSwitchGLU(nn.Module):
         # The routed experts of a call on their slots: the extension's exact
         # CPU kernel where it covers this layer, else mlx-lm's SwitchGLU.
         self._experts = native.expert_kernel(inner, plan) or inner
+        # The fast arithmetic (plan.fast) on calls of at least this many pairs.
+        self._fast = functools.partial(fast_glu, inner)
+        self._fast_pairs = fast_pairs(layer.num_experts) if plan.fast else None
         # cpu-mapped: no slots; the kernel reads each routed record in place
         # (the engine's calls resolve to expert ids).
         self._mapped = (
@@ -147,19 +155,31 @@ class StreamingSwitchGLU(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self._mapped is not None:  # any number of pairs: nothing to group
             return self._engine.finish(self._mapped(x, self.slots(x, indices)))
+        experts = self._arithmetic(indices)
         table = self._engine.table
         if table is not None:  # prefill too: the resident model's one call
-            return self._resident(x, indices, table)
+            return self._resident(x, indices, table, experts)
         if indices.size > self.capacity:
-            return self._grouped(x, indices)
+            return self._grouped(x, indices, experts)
         return self._decode(x, indices)
 
-    def _resident(self, x: mx.array, indices: mx.array, table: mx.array) -> mx.array:
+    def _arithmetic(self, indices: mx.array) -> Experts:
+        """The fast arithmetic for a prefill-sized call where the plan asks for
+        it (the whole call decides, so its groups compute as it would); else
+        the exact kernels."""
+        if self._fast_pairs is None or indices.size < self._fast_pairs:
+            return self._experts
+        self._stats.fast_calls += 1
+        return self._fast
+
+    def _resident(
+        self, x: mx.array, indices: mx.array, table: mx.array, experts: Experts
+    ) -> mx.array:
         """Every expert holds a slot for good: nothing to read, no host sync."""
         self._stats.hits += indices.size
         self._stats.sync_free_calls += 1
         self._stats.record(self._layer.layer, indices, None, 0, [], 0)
-        return self._experts(x, table[indices])
+        return experts(x, table[indices])
 
     def _decode(self, x: mx.array, indices: mx.array) -> mx.array:
         """At most `capacity` pairs (decode): one call on the routed experts' slots."""
@@ -171,7 +191,7 @@ class StreamingSwitchGLU(nn.Module):
         sync); "native" resolves it inside MLX's stream."""
         return self._engine.slots(x, indices)
 
-    def _grouped(self, x: mx.array, indices: mx.array) -> mx.array:
+    def _grouped(self, x: mx.array, indices: mx.array, experts: Experts) -> mx.array:
         """More pairs than slots (prefill): one call if the routed experts fit,
         else slot-sized groups, each run once its experts are read."""
         engine = self._engine
@@ -179,7 +199,7 @@ class StreamingSwitchGLU(nn.Module):
         if r.unique.size <= self.capacity:
             lut = engine.load(r.unique, r.tokens, r.call)
             engine.record(r)
-            return engine.issue(self._experts(x, mx.array(lut[r.experts])))
+            return engine.issue(experts(x, mx.array(lut[r.experts])))
         self._stats.grouped_calls += 1
         engine.willneed(r.unique)
         # The experts already in slots first: no group evicts one a later
@@ -188,7 +208,7 @@ class StreamingSwitchGLU(nn.Module):
         first = np.concatenate([r.unique[held], r.unique[~held]])
         groups = range(0, first.size, self.capacity)
         groups = [first[g : g + self.capacity] for g in groups]
-        y = self._groups(x, r, groups)
+        y = self._groups(x, r, groups, experts)
         engine.record(r)
         return engine.issue(y)
 
@@ -202,7 +222,9 @@ class StreamingSwitchGLU(nn.Module):
         if self.capacity >= self._layer.num_experts:
             self._engine.load(np.arange(self._layer.num_experts), tokens=0)
 
-    def _groups(self, x: mx.array, r: Routing, groups: list[np.ndarray]) -> mx.array:
+    def _groups(
+        self, x: mx.array, r: Routing, groups: list[np.ndarray], experts: Experts
+    ) -> mx.array:
         """Each group's rows computed alone and put back in order: the kernels
         compute each row by itself, so this equals the whole call (see _rows)."""
         flat = r.experts.reshape(-1)
@@ -211,18 +233,24 @@ class StreamingSwitchGLU(nn.Module):
         for i, group in enumerate(groups):
             lut = self._engine.load(group, r.tokens if i == 0 else 0, r.call)
             pairs = order[np.isin(flat[order], group)]
-            out = self._rows(x, r.experts, pairs, lut)
+            out = self._rows(x, r.experts, pairs, lut, experts)
             mx.eval(out)  # the next group overwrites these slots
             parts.append((pairs, out))
         return _assemble(parts, r.experts.shape)
 
     def _rows(
-        self, x: mx.array, experts: np.ndarray, pairs: np.ndarray, lut: np.ndarray
+        self,
+        x: mx.array,
+        experts: np.ndarray,
+        pairs: np.ndarray,
+        lut: np.ndarray,
+        compute: Experts | None = None,
     ) -> mx.array:
-        """The expert outputs of (token, k) `pairs` alone, `(len(pairs), D)`.
-        A kernel that picks its algorithm by a call's rows (MLX's CUDA
-        gather_qmm: a vector kernel under 8) must see as many as the whole
-        call would: short groups run padded with copies of their first pair."""
+        """The expert outputs of (token, k) `pairs` alone, `(len(pairs), D)`,
+        by `compute` (the exact kernels by default). A kernel that picks its
+        algorithm by a call's rows (MLX's CUDA gather_qmm: a vector kernel
+        under 8) must see as many as the whole call would: short groups run
+        padded with copies of their first pair."""
         k, n = experts.shape[-1], pairs.size
         short = min(self._group_rows, experts.size) - n
         run = (
@@ -230,4 +258,19 @@ class StreamingSwitchGLU(nn.Module):
         )
         rows = x.reshape(-1, x.shape[-1])[mx.array(run // k)]
         slots = mx.array(lut[experts.reshape(-1)[run]])[:, None]
-        return self._experts(rows, slots)[:n, 0]
+        return (compute or self._experts)(rows, slots)[:n, 0]
+
+
+@contextlib.contextmanager
+def exact_arithmetic(model: nn.Module) -> Iterator[nn.Module]:
+    """Within, `model`'s streaming layers compute every call with the exact
+    kernels, whatever its plan's arithmetic (the same slots: no second model)."""
+    layers = [m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)]
+    saved = [m._fast_pairs for m in layers]
+    for m in layers:
+        m._fast_pairs = None
+    try:
+        yield model
+    finally:
+        for m, pairs in zip(layers, saved, strict=True):
+            m._fast_pairs = pairs

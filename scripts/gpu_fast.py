@@ -1,0 +1,64 @@
+"""One MoE layer's expert call at the medium bench model's geometry (D 2048 ->
+F 768, 128 experts, top-8, 4-bit, groups of 64), on the default device:
+mlx-lm's SwitchGLU (the exact arithmetic) against the fast arithmetic
+(runtime/fast.py: every expert dequantized, gather_mm on sorted rows), by
+token count: where the fast one starts to win, and how far its output is from
+the exact one.
+
+    python scripts/gpu_fast.py [--tokens 1,8,32,64,128,512,4096] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from moestream.runtime.fast import fast_glu
+
+D, F, E, K = 2048, 768, 128, 8
+
+
+def timed(f, repeats: int = 10) -> float:
+    """Milliseconds per call, each evaluated (after two warm-up calls)."""
+    for _ in range(2):
+        mx.eval(f())
+    start = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(f())
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", default="1,8,32,64,128,512,4096")
+    p.add_argument("--dtype", default="bfloat16")
+    a = p.parse_args()
+    dtype = getattr(mx, a.dtype)
+    mx.random.seed(0)
+    glu = SwitchGLU(D, F, E)
+    nn.quantize(glu, group_size=64, bits=4)
+    glu.set_dtype(dtype)
+    rng = np.random.default_rng(0)
+    print("| tokens | pairs | exact ms | fast ms | fast / exact | max abs diff |")
+    print("|---|---|---|---|---|---|")
+    for tokens in [int(t) for t in a.tokens.split(",")]:
+        x = (mx.random.normal((1, tokens, D)) * 0.5).astype(dtype)
+        experts = np.argsort(rng.random((1, tokens, E)), axis=-1)[..., :K]
+        idx = mx.array(experts.astype(np.uint32))
+        exact = timed(lambda x=x, idx=idx: glu(x, idx))
+        fast = timed(lambda x=x, idx=idx: fast_glu(glu, x, idx))
+        diff = mx.abs(glu(x, idx) - fast_glu(glu, x, idx)).max().item()
+        print(
+            f"| {tokens} | {tokens * K} | {exact:.3f} | {fast:.3f} | "
+            f"{fast / exact:.2f} | {diff:.3g} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

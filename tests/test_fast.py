@@ -1,0 +1,96 @@
+"""The fast arithmetic (RuntimeConfig.arithmetic = "fast") on a CPU: the
+streaming model equals a resident model with the same arithmetic
+(runtime/fast.py's use_fast_arithmetic) bit for bit at every cache size, with
+either engine; exact_arithmetic runs the same model on the exact path;
+`moestream eval` reports both; the plan names it; bad settings are one line.
+tests/test_device.py holds the same on the GPU, in every compute dtype."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from helpers import PROMPT, logits_stepwise
+
+import moestream
+from moestream.cli import main as cli
+from moestream.reference import resident_from_converted
+from moestream.runtime import RuntimeConfig, native
+from moestream.runtime.fast import use_fast_arithmetic
+from moestream.runtime.switch import exact_arithmetic
+
+STEPS = 6
+ENGINES = ["python", "native"] if native.available() else ["python"]
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 8
+
+
+@pytest.fixture(scope="module")
+def oracles(converted: Path) -> dict[str, list[mx.array]]:
+    """The resident model's logits with each arithmetic, computed once."""
+    exact = resident_from_converted(converted, "float32")
+    fast = use_fast_arithmetic(resident_from_converted(converted, "float32"))
+    return {
+        "exact": logits_stepwise(exact, PROMPT, STEPS),
+        "fast": logits_stepwise(fast, PROMPT, STEPS),
+    }
+
+
+def same(ours: list[mx.array], theirs: list[mx.array]) -> bool:
+    return all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cache_experts", [2, 5, 8])
+def test_fast_streaming_equals_the_fast_resident_model(
+    converted, oracles, engine, cache_experts
+):
+    """Prefill (48 tokens, 96 pairs over 8 experts) runs fast, grouped where
+    the slots are fewer than the routed experts; decode runs exact."""
+    model, _ = moestream.load(
+        converted, cache_experts=cache_experts, engine=engine, arithmetic="fast"
+    )
+    assert same(logits_stepwise(model, PROMPT, STEPS), oracles["fast"])
+    s = moestream.stats(model)
+    assert s.fast_calls == 2  # the prefill's call of each MoE layer
+    if cache_experts < 8:
+        assert s.grouped_calls > 0 and s.misses > 0
+    with exact_arithmetic(model):
+        assert same(logits_stepwise(model, PROMPT, STEPS), oracles["exact"])
+    assert moestream.stats(model).fast_calls == 2
+
+
+def test_eval_reports_the_fast_path_against_the_exact_one(converted, tmp_path):
+    data = tmp_path / "val.txt"
+    data.write_text(TEXT)
+    got = {}
+    for arithmetic in ("exact", "fast"):
+        args = ["eval", converted, "--data", data, "--context", 24, "--json"]
+        args += ["--num-samples", 3, "--cache-experts", 3, "--arithmetic", arithmetic]
+        r = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        got[arithmetic] = json.loads(r.output.strip().splitlines()[-1])
+    assert got["exact"]["kl_exact"] is None
+    # the fast model's exact path is the exact model's, bit for bit
+    assert got["fast"]["exact_perplexity"] == got["exact"]["perplexity"]
+    assert got["fast"]["kl_exact"] >= 0 and got["fast"]["tokens"] == 3 * 23
+
+
+def test_the_plan_names_the_fast_arithmetic(converted):
+    r = CliRunner().invoke(cli, ["plan", str(converted), "--arithmetic", "fast"])
+    assert r.exit_code == 0, r.output
+    assert "fast arithmetic (calls of 4+ rows per expert" in r.output
+    plain = CliRunner().invoke(cli, ["plan", str(converted)])
+    assert "fast arithmetic" not in plain.output
+
+
+def test_bad_fast_settings_are_one_line(converted):
+    with pytest.raises(ValueError, match="Unknown arithmetic 'quick'") as e:
+        RuntimeConfig(arithmetic="quick")
+    with pytest.raises(ValueError, match="mapped cannot run with arithmetic") as m:
+        RuntimeConfig(backend="mapped", arithmetic="fast")
+    with pytest.raises(ValueError, match="on a CPU computes in float32") as d:
+        moestream.load(converted, arithmetic="fast", dtype="bfloat16")
+    assert all("\n" not in str(x.value) for x in (e, m, d))
