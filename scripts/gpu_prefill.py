@@ -55,6 +55,7 @@ def rows(
     before: Path | None,
     tier: str | None,
     arithmetics: list[str],
+    verify: bool = True,
 ) -> list[tuple]:
     """(name, capacity, root, runtime) per row; the resident row first. Rows
     under 100 % also run with a host tier of `tier` bytes, if given."""
@@ -63,7 +64,7 @@ def rows(
     top_k = int(config.get("num_experts_per_tok", 1))
     found = [("mlx-lm resident", None, ROOT, RuntimeConfig())]
     for arithmetic in arithmetics:
-        default = RuntimeConfig(arithmetic=arithmetic)
+        default = RuntimeConfig(arithmetic=arithmetic, verify=verify)
         word = "" if arithmetic == "exact" else f" {arithmetic}"
         for pct in budgets:
             cap = capacity_for(pct, experts, top_k)
@@ -88,11 +89,16 @@ def main() -> None:
     p.add_argument("--before", type=Path)
     p.add_argument("--tier", help="also rows with a host tier of this size")
     p.add_argument("--arithmetic", default="exact", help="exact, fast or both")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="no checksums at load (a shorter load; prefill's time is the same)",
+    )
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     budgets = [float(b) for b in a.budgets.split(",")]
     arithmetics = a.arithmetic.split(",")
-    table = rows(a.out, budgets, a.before, a.tier, arithmetics)
+    table = rows(a.out, budgets, a.before, a.tier, arithmetics, not a.no_verify)
     results: dict = {}
     for prompt in [int(n) for n in a.prompts.split(",")]:
         base = Job(str(a.out), None, prompt_tokens=prompt, decode_tokens=a.tokens)
