@@ -23,6 +23,8 @@ from moestream.runtime.fast import use_fast_arithmetic
 from moestream.runtime.switch import exact_arithmetic
 
 STEPS = 6
+# The tiny model's 48-token prompt routes 12 pairs per expert: fast from 4.
+ROWS = 4
 ENGINES = ["python", "native"] if native.available() else ["python"]
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 8
 
@@ -31,7 +33,7 @@ TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 8
 def oracles(converted: Path) -> dict[str, list[mx.array]]:
     """The resident model's logits with each arithmetic, computed once."""
     exact = resident_from_converted(converted, "float32")
-    fast = use_fast_arithmetic(resident_from_converted(converted, "float32"))
+    fast = use_fast_arithmetic(resident_from_converted(converted, "float32"), ROWS)
     return {
         "exact": logits_stepwise(exact, PROMPT, STEPS),
         "fast": logits_stepwise(fast, PROMPT, STEPS),
@@ -50,7 +52,11 @@ def test_fast_streaming_equals_the_fast_resident_model(
     """Prefill (48 tokens, 96 pairs over 8 experts) runs fast, grouped where
     the slots are fewer than the routed experts; decode runs exact."""
     model, _ = moestream.load(
-        converted, cache_experts=cache_experts, engine=engine, arithmetic="fast"
+        converted,
+        cache_experts=cache_experts,
+        engine=engine,
+        arithmetic="fast",
+        fast_rows=ROWS,
     )
     assert same(logits_stepwise(model, PROMPT, STEPS), oracles["fast"])
     s = moestream.stats(model)
@@ -69,6 +75,7 @@ def test_eval_reports_the_fast_path_against_the_exact_one(converted, tmp_path):
     for arithmetic in ("exact", "fast"):
         args = ["eval", converted, "--data", data, "--context", 24, "--json"]
         args += ["--num-samples", 3, "--cache-experts", 3, "--arithmetic", arithmetic]
+        args += ["--set", "fast_rows=2"]  # 23 tokens: 5.75 pairs per expert
         r = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
         assert r.exit_code == 0, r.output
         got[arithmetic] = json.loads(r.output.strip().splitlines()[-1])
@@ -76,12 +83,13 @@ def test_eval_reports_the_fast_path_against_the_exact_one(converted, tmp_path):
     # the fast model's exact path is the exact model's, bit for bit
     assert got["fast"]["exact_perplexity"] == got["exact"]["perplexity"]
     assert got["fast"]["kl_exact"] >= 0 and got["fast"]["tokens"] == 3 * 23
+    assert got["fast"]["stats"]["fast_calls"] == 3 * 2  # each sequence's 2 layers
 
 
 def test_the_plan_names_the_fast_arithmetic(converted):
     r = CliRunner().invoke(cli, ["plan", str(converted), "--arithmetic", "fast"])
     assert r.exit_code == 0, r.output
-    assert "fast arithmetic (calls of 4+ rows per expert" in r.output
+    assert "fast arithmetic (calls of 16+ rows per expert" in r.output
     plain = CliRunner().invoke(cli, ["plan", str(converted)])
     assert "fast arithmetic" not in plain.output
 

@@ -30,7 +30,6 @@ from ..formats import Manifest
 from ..units import count, human_bytes, parse_size
 from . import native
 from .config import RuntimeConfig, Tuning
-from .fast import FAST_ROWS_PER_EXPERT
 from .memory import BudgetError, MemoryPlan, available_memory, plan_memory
 
 log = logging.getLogger(__name__)
@@ -104,8 +103,8 @@ class ExecutionPlan:
             words.append("device-resolved calls")
         if self.fast:
             words.append(
-                f"fast arithmetic (calls of {FAST_ROWS_PER_EXPERT}+ rows per expert "
-                "on dequantized weights)"
+                f"fast arithmetic (calls of {self.tuning.fast_rows}+ rows per "
+                "expert on dequantized weights)"
             )
         words.append(self.compute)
         return words

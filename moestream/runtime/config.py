@@ -23,12 +23,17 @@ ARITHMETICS = ("exact", "fast")
 ENGINES = ("python", "native")
 # Cache policies; runtime/pool.py and csrc's policy implement each.
 POLICIES = ("lrfu", "lru")
+# The fast arithmetic dequantizes every expert of a call's slots: worth it from
+# about 14 rows per expert on the H200 at the medium bench model's geometry
+# (scripts/gpu_fast.py: 1.46x the exact call's time at 8, 0.51x at 32).
+FAST_ROWS_PER_EXPERT = 16
 # (field, lowest, highest) of the numeric knobs.
 BOUNDS = (
     ("prefetch_extra", 0, float("inf")),
     ("lrfu_decay", 0.0, 1.0),
     ("readers", 1, 256),
     ("kernel_threads", 0, 256),
+    ("fast_rows", 1, float("inf")),
 )
 
 
@@ -51,6 +56,8 @@ class Tuning:
     readers: reader threads of the host tier and of piecewise record reads.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
     record_trace: keep one event per MoE layer call in the stats.
+    fast_rows: with the fast arithmetic, the fewest (token, expert) pairs per
+        expert of the layer that a call computes fast (fewer: exact).
     """
 
     engine: str | None = None
@@ -64,6 +71,7 @@ class Tuning:
     readers: int = 8
     kernel_threads: int = 0
     record_trace: bool = False
+    fast_rows: int = FAST_ROWS_PER_EXPERT
 
     def __post_init__(self) -> None:
         if self.engine is not None and self.engine not in ENGINES:
@@ -106,7 +114,8 @@ class RuntimeConfig:
         "auto" (mapped where a CPU's slots cannot hold every expert).
     arithmetic: "exact" (mlx-lm's kernels: the resident model's bits) or "fast"
         (prefill-sized expert calls on dequantized weights with tensor-core
-        GEMMs; not mlx-lm's bits: `moestream eval` reports how far).
+        GEMMs; not mlx-lm's kernels, so its bits are not promised:
+        `moestream eval` reports how far they are).
     """
 
     memory_budget: int | str | None = None

@@ -1,16 +1,18 @@
 """The fast arithmetic (`RuntimeConfig.arithmetic = "fast"`), opt-in.
 
-A prefill-sized expert call (at least `FAST_ROWS_PER_EXPERT` pairs per expert
-of the layer) dequantizes its experts' weights to the compute dtype and runs
+A prefill-sized expert call (at least `Tuning.fast_rows` pairs per expert of
+the layer) dequantizes its experts' weights to the compute dtype and runs
 MLX's gather_mm on the rows sorted by expert: on a GPU one CUTLASS grouped
 GEMM on tensor cores, one problem per expert (mlx backend/cuda/gemms/
 grouped_gemm_unaligned.cu), each row computed from its own expert's weights
 alone; on a CPU one product per row. So a call split into groups of experts
 gives every row the bits the whole call gives, and the streaming model equals
 a resident model with the same arithmetic (`use_fast_arithmetic`) at every
-budget. It is not mlx-lm's arithmetic: `moestream eval --arithmetic fast`
-reports its perplexity and KL divergence against the exact path. Smaller
-calls (decode) keep mlx-lm's kernels.
+budget. It is not mlx-lm's kernel, so its bits are not promised to be
+mlx-lm's (on the H200 they were, at the medium bench model's geometry, 4-bit,
+in bfloat16 and float16; float32 runs on TF32 tensor cores):
+`moestream eval --arithmetic fast` reports its perplexity and KL divergence
+against the exact path. Smaller calls (decode) keep mlx-lm's kernels.
 """
 
 from __future__ import annotations
@@ -25,16 +27,12 @@ from mlx_lm.models.switch_layers import (
 )
 
 from ..families import replace_module, switch_modules
-
-# A call dequantizes every expert of its slots: worth it from this many rows
-# per expert (scripts/gpu_fast.py measures where the fast call starts to win).
-FAST_ROWS_PER_EXPERT = 4
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+from .config import FAST_ROWS_PER_EXPERT
 
 
-def fast_pairs(num_experts: int) -> int:
+def fast_pairs(num_experts: int, rows: int = FAST_ROWS_PER_EXPERT) -> int:
     """The fewest (token, expert) pairs of a call that runs fast."""
-    return FAST_ROWS_PER_EXPERT * num_experts
+    return rows * num_experts
 
 
 def _weight(p: nn.Module, dtype: mx.Dtype) -> mx.array:
@@ -77,10 +75,10 @@ class FastSwitchGLU(nn.Module):
     """A resident SwitchGLU with the fast arithmetic on prefill-sized calls:
     the oracle of the streaming model's fast mode."""
 
-    def __init__(self, inner: SwitchGLU):
+    def __init__(self, inner: SwitchGLU, rows: int = FAST_ROWS_PER_EXPERT):
         super().__init__()
         self.inner = inner
-        self._pairs = fast_pairs(inner.gate_proj.num_experts)
+        self._pairs = fast_pairs(inner.gate_proj.num_experts, rows)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if indices.size >= self._pairs:
@@ -88,9 +86,12 @@ class FastSwitchGLU(nn.Module):
         return self.inner(x, indices)
 
 
-def use_fast_arithmetic(model: nn.Module) -> nn.Module:
+def use_fast_arithmetic(
+    model: nn.Module, rows: int = FAST_ROWS_PER_EXPERT
+) -> nn.Module:
     """`model` (mlx-lm's, every expert resident) with each SwitchGLU computing
-    as the fast mode does; returns it."""
+    as the fast mode does (from `rows` pairs per expert: Tuning.fast_rows);
+    returns it."""
     for path, module in switch_modules(model).items():
-        replace_module(model, path, FastSwitchGLU(module))
+        replace_module(model, path, FastSwitchGLU(module, rows))
     return model

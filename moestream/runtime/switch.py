@@ -86,7 +86,8 @@ class StreamingSwitchGLU(nn.Module):
         self._experts = native.expert_kernel(inner, plan) or inner
         # The fast arithmetic (plan.fast) on calls of at least this many pairs.
         self._fast = functools.partial(fast_glu, inner)
-        self._fast_pairs = fast_pairs(layer.num_experts) if plan.fast else None
+        rows = plan.tuning.fast_rows
+        self._fast_pairs = fast_pairs(layer.num_experts, rows) if plan.fast else None
         # cpu-mapped: no slots; the kernel reads each routed record in place
         # (the engine's calls resolve to expert ids).
         self._mapped = (
