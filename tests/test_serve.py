@@ -389,6 +389,7 @@ ENGINE_FLAGS = {
     "--dtype": ("float32", "dtype", "float32"),
     "--no-verify": (None, "verify", False),
     "--backend": ("slots", "backend", "slots"),
+    "--arithmetic": ("fast", "arithmetic", "fast"),
 }
 # And every developer knob through --set: each must reach the model's Tuning.
 TUNING_SETS = {
@@ -401,6 +402,7 @@ TUNING_SETS = {
     "device_resolve=off": ("device_resolve", False),
     "cpu_kernel=off": ("cpu_kernel", False),
     "kernel_threads=1": ("kernel_threads", 1),
+    "fast_rows=8": ("fast_rows", 8),
 }
 
 
