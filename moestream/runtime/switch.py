@@ -6,6 +6,8 @@ experts to slots, reading the missing ones straight into slot memory, and
 runs mlx-lm's SwitchGLU on the slot indices: same kernels, same activation
 and biases, so the result is bit-identical to the fully resident model (on a
 CPU, the extension's kernel computes the same bits where the plan runs it).
+With the fast arithmetic (fast.py), prefill-sized calls run on dequantized
+weights instead, and the oracle is a resident model with that arithmetic.
 The engine behind it (engines.py) maps experts to slots and reads misses.
 On the cpu-mapped backend there are no slots: the native engine resolves a
 call to the routed experts' ids and the CPU kernel reads their records in
