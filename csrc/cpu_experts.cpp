@@ -922,8 +922,8 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
   int64_t d_in = x.shape(-1);
   check_float32(x, "x");
   std::vector<mx::array> inputs = {
-      mx::contiguous(mx::reshape(x, {-1, int(d_in)}, s), false, s),
-      mx::contiguous(mx::astype(inds, mx::uint32, s), false, s)};
+      row_contiguous(mx::reshape(x, {-1, int(d_in)}, s), s),
+      row_contiguous(mx::astype(inds, mx::uint32, s), s)};
   if (inputs[0].shape(0) * inds.shape(-1) != inds.size()) {
     throw std::invalid_argument(
         "moestream kernel: x and inds disagree on the tokens");
@@ -934,7 +934,7 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
     check_float32(weights[3 * p + 2], "biases");
   }
   for (auto& w : weights) {
-    inputs.push_back(mx::contiguous(w, false, s));
+    inputs.push_back(row_contiguous(w, s));
   }
   auto shape = inds.shape();
   shape.push_back(weights[6].shape(-2));
@@ -978,8 +978,8 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
   }
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   std::vector<mx::array> inputs = {
-      mx::contiguous(mx::reshape(x, {-1, int(d_in)}, s), false, s),
-      mx::contiguous(mx::astype(experts, mx::uint32, s), false, s)};
+      row_contiguous(mx::reshape(x, {-1, int(d_in)}, s), s),
+      row_contiguous(mx::astype(experts, mx::uint32, s), s)};
   if (inputs[0].shape(0) * experts.shape(-1) != experts.size()) {
     throw std::invalid_argument(
         "moestream kernel: x and the expert ids disagree on the tokens");
@@ -1008,10 +1008,10 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w,
   }
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, s),
-                                   mx::contiguous(w, false, s),
-                                   mx::contiguous(scales, false, s),
-                                   mx::contiguous(biases, false, s)};
+  std::vector<mx::array> inputs = {row_contiguous(x, s),
+                                   row_contiguous(w, s),
+                                   row_contiguous(scales, s),
+                                   row_contiguous(biases, s)};
   return mx::array(shape, mx::float32,
                    std::make_shared<QuantMatmul>(s, spec, threads),
                    std::move(inputs));

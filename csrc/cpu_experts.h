@@ -13,6 +13,7 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
 #include "mlx/primitives.h"
 
 namespace mx = mlx::core;
@@ -60,6 +61,15 @@ void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
   }
   enc.set_output_array(out);
   enc.dispatch(std::forward<Task>(task));
+}
+
+// `a` as a kernel's row-contiguous input: itself where it is already
+// evaluated so (weights, slots: no graph node), else MLX's contiguous op.
+inline mx::array row_contiguous(const mx::array& a, mx::Stream s) {
+  if (a.is_available() && a.flags().row_contiguous) {
+    return a;
+  }
+  return mx::contiguous(a, false, s);
 }
 
 // SwitchGLU with SwiGLU on slots: out[t, j] = down(silu(gate(x_t)) * up(x_t))

@@ -172,7 +172,7 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, bool transpose_b,
                      transpose_b ? b.shape(1) : b.shape(2)};
   return mx::array(shape, mx::float32,
                    std::make_shared<ExactMatmul>(s, transpose_b, threads),
-                   {mx::contiguous(a, false, s), mx::contiguous(b, false, s)});
+                   {row_contiguous(a, s), row_contiguous(b, s)});
 }
 
 } // namespace moestream
