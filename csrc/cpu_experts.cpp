@@ -222,12 +222,31 @@ inline void load_words(const uint32_t* const* row, int64_t w0, int n,
   }
 }
 
+// Sixteen rows' float32 scales (or biases) of groups [g0, g0 + 16), one
+// 64-byte load a row (masked at the rows' end), turned: out[i] holds group
+// g0 + i of every row.
+inline void load_groups(const uint8_t* const* row, int64_t g0, int64_t groups,
+                        VF* out) {
+  int64_t n = std::min<int64_t>(16, groups - g0);
+  __mmask16 mask = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  __m512i r[16];
+  for (int j = 0; j < 16; j++) {
+    r[j] = _mm512_maskz_loadu_epi32(
+        mask, reinterpret_cast<const float*>(row[j]) + g0);
+  }
+  transpose16(r);
+  for (int i = 0; i < 16; i++) {
+    out[i] = VF(_mm512_castsi512_ps(r[i]));
+  }
+}
+
 // Rows [r0, r0 + kRows) of m @ x, each lane's sum in MLX's _qmm_t order:
 // sum += x[k] * (scale * q + bias), k ascending. Two vectors of sixteen rows,
 // so two sums are in flight. Each row's words come in 64-byte lines, turned
 // so that lane j holds row j's word: a chunk of 32 values is `bits` words,
 // value i at bit i * bits (LSB first, as MLX's byte-wise unpacking reads
-// it). The next block's lines are asked for as these are read. Rows past the
+// it). Float32 scales and biases come the same way, sixteen groups a line.
+// The next block's lines are asked for as these are read. Rows past the
 // end repeat the last row and are not stored.
 template <int bits, ScaleFormat F>
 void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
@@ -257,6 +276,7 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
     }
   }
   alignas(64) VU ring[2][32];
+  alignas(64) VF gs[2][16], gb[2][16]; // float32 scales, biases: 16 groups
   VF acc0 = {}, acc1 = acc0, s0 = {}, s1 = {}, b0 = {}, b1 = {};
   int64_t c = 0;
   for (int64_t w0 = 0; w0 < words; w0 += 16) {
@@ -266,11 +286,22 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
     for (; c < chunks && (c + 1) * bits <= w0 + n; c++) {
       if (c % per_group == 0) {
         int64_t g = c / per_group;
-        for (int j = 0; j < kLanes; j++) {
-          s0[j] = scale_at<F>(sc[0][j], g);
-          b0[j] = scale_at<F>(bi[0][j], g);
-          s1[j] = scale_at<F>(sc[1][j], g);
-          b1[j] = scale_at<F>(bi[1][j], g);
+        if constexpr (F == ScaleFormat::F32) {
+          if (g % 16 == 0) {
+            for (int v = 0; v < 2; v++) {
+              load_groups(sc[v], g, m.groups, gs[v]);
+              load_groups(bi[v], g, m.groups, gb[v]);
+            }
+          }
+          s0 = gs[0][g & 15], b0 = gb[0][g & 15];
+          s1 = gs[1][g & 15], b1 = gb[1][g & 15];
+        } else {
+          for (int j = 0; j < kLanes; j++) {
+            s0[j] = scale_at<F>(sc[0][j], g);
+            b0[j] = scale_at<F>(bi[0][j], g);
+            s1[j] = scale_at<F>(sc[1][j], g);
+            b1[j] = scale_at<F>(bi[1][j], g);
+          }
         }
       }
       VU w0v[bits], w1v[bits];
