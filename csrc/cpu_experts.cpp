@@ -786,8 +786,9 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
   }
   const Kernels fn[3] = {kernels(specs[0].bits), kernels(specs[1].bits),
                          kernels(specs[2].bits)};
+  std::vector<float> xt;
   run_calls(
-      x.data<float>(), slot, slots, pairs, k, d_in, hidden, d_out,
+      row_major(x, xt), slot, slots, pairs, k, d_in, hidden, d_out,
       [&](int p, int64_t pair) {
         return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
                       slot[pair]);
@@ -827,7 +828,8 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
         m.format = q.format;
         return m;
       };
-  const float* xp = x.data<float>();
+  std::vector<float> xt;
+  const float* xp = row_major(x, xt);
   float* y = out.data<float>();
   int64_t hidden = proj[0].rows, d_out = proj[2].rows;
   auto pending = cache.take_pending();
@@ -886,7 +888,8 @@ static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
   Matrix m = matrix(in[1], in[2], in[3], spec, 0);
   Kernels fn = kernels(spec.bits);
   int64_t tokens = in[0].size() / m.cols;
-  const float* x = in[0].data<float>();
+  std::vector<float> xt;
+  const float* x = row_major(in[0], xt);
   float* y = out.data<float>();
   if (tokens < kMinTokens) {
     int64_t blocks = (m.rows + kBlock - 1) / kBlock;
@@ -953,7 +956,7 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
   int64_t d_in = x.shape(-1);
   check_float32(x, "x");
   std::vector<mx::array> inputs = {
-      row_contiguous(mx::reshape(x, {-1, int(d_in)}, s), s),
+      mx::reshape(x, {-1, int(d_in)}, s), // read through its strides
       row_contiguous(mx::astype(inds, mx::uint32, s), s)};
   if (inputs[0].shape(0) * inds.shape(-1) != inds.size()) {
     throw std::invalid_argument(
@@ -1009,7 +1012,7 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
   }
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   std::vector<mx::array> inputs = {
-      row_contiguous(mx::reshape(x, {-1, int(d_in)}, s), s),
+      mx::reshape(x, {-1, int(d_in)}, s), // read through its strides
       row_contiguous(mx::astype(experts, mx::uint32, s), s)};
   if (inputs[0].shape(0) * experts.shape(-1) != experts.size()) {
     throw std::invalid_argument(
@@ -1039,7 +1042,7 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w,
   }
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  std::vector<mx::array> inputs = {row_contiguous(x, s),
+  std::vector<mx::array> inputs = {x, // read through its strides
                                    row_contiguous(w, s),
                                    row_contiguous(scales, s),
                                    row_contiguous(biases, s)};

@@ -5,6 +5,7 @@
 // Every output's sum runs over the reduction in MLX's order.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -70,6 +71,37 @@ inline mx::array row_contiguous(const mx::array& a, mx::Stream s) {
     return a;
   }
   return mx::contiguous(a, false, s);
+}
+
+// A float32 input's elements in row-major order, at eval: its own buffer
+// where it is row-contiguous, else copied into `tmp` through its strides (a
+// view: a cache's slice, a transpose). Kernels that read an activation this
+// way need no Contiguous node in the graph.
+inline const float* row_major(const mx::array& a, std::vector<float>& tmp) {
+  if (a.flags().row_contiguous) {
+    return a.data<float>();
+  }
+  tmp.resize(a.size());
+  const float* src = a.data<float>();
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = int(a.ndim());
+  const int64_t inner = nd ? shape[nd - 1] : 1;
+  const int64_t step = nd ? strides[nd - 1] : 1;
+  std::vector<int64_t> idx(std::max(nd - 1, 0), 0);
+  for (int64_t done = 0; done < int64_t(a.size()); done += inner) {
+    int64_t off = 0;
+    for (int d = 0; d + 1 < nd; d++) {
+      off += idx[d] * strides[d];
+    }
+    for (int64_t i = 0; i < inner; i++) {
+      tmp[done + i] = src[off + i * step];
+    }
+    for (int d = nd - 2; d >= 0 && ++idx[d] == shape[d]; d--) {
+      idx[d] = 0;
+    }
+  }
+  return tmp.data();
 }
 
 // SwitchGLU with SwiGLU on slots: out[t, j] = down(silu(gate(x_t)) * up(x_t))

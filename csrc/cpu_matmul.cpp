@@ -82,18 +82,23 @@ TileFn tile_fn(int mr, int nv) {
   }
 }
 
-// b `[K, N]` (or `[N, K]` where transposed) as `[K, np]`, np a whole number
-// of vectors, the columns past N zero.
-void pack(const float* b, int64_t K, int64_t N, int64_t np, bool transposed,
-          float* bp) {
+// One batch of b, `[K, N]` (or `[N, K]` where transposed) at row stride
+// `rs` and column stride `cs` (a view of a cache reads in place), as
+// `[K, np]`, np a whole number of vectors, the columns past N zero.
+void pack(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
+          int64_t np, bool transposed, float* bp) {
   for (int64_t k = 0; k < K; k++) {
     float* row = bp + k * np;
     if (transposed) {
       for (int64_t j = 0; j < N; j++) {
-        row[j] = b[j * K + k];
+        row[j] = b[j * rs + k * cs];
       }
+    } else if (cs == 1) {
+      std::memcpy(row, b + k * rs, N * sizeof(float));
     } else {
-      std::memcpy(row, b + k * N, N * sizeof(float));
+      for (int64_t j = 0; j < N; j++) {
+        row[j] = b[k * rs + j * cs];
+      }
     }
     std::fill(row + N, row + np, 0.0f);
   }
@@ -120,12 +125,15 @@ void run(const mx::array& a, const mx::array& b, mx::array& out,
   int64_t batch = a.shape(0), M = a.shape(1), K = a.shape(2);
   int64_t N = transposed ? b.shape(1) : b.shape(2);
   int64_t np = (N + kLanes - 1) / kLanes * kLanes;
-  const float* ap = a.data<float>();
+  std::vector<float> a_rows;
+  const float* ap = row_major(a, a_rows);
   const float* bq = b.data<float>();
   float* op = out.data<float>();
+  const auto& bs = b.strides();
   std::vector<float> packed(batch * K * np);
   parallel_for(int(batch), threads, [&](int n) {
-    pack(bq + n * K * N, K, N, np, transposed, packed.data() + n * K * np);
+    pack(bq + n * bs[0], bs[1], bs[2], K, N, np, transposed,
+         packed.data() + n * K * np);
   });
   int64_t blocks = (M + kRowsTask - 1) / kRowsTask;
   parallel_for(int(batch * blocks), threads, [&](int task) {
@@ -172,7 +180,7 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, bool transpose_b,
                      transpose_b ? b.shape(1) : b.shape(2)};
   return mx::array(shape, mx::float32,
                    std::make_shared<ExactMatmul>(s, transpose_b, threads),
-                   {row_contiguous(a, s), row_contiguous(b, s)});
+                   {a, b}); // read through their strides at eval
 }
 
 } // namespace moestream

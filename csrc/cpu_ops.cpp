@@ -176,7 +176,8 @@ void ExactSoftmax::eval_cpu(const std::vector<mx::array>& inputs,
              int64_t m = x.shape(-1), rows = x.size() / m;
              constexpr int64_t kTask = 16; // rows of a task
              int64_t tasks = (rows + kTask - 1) / kTask;
-             const float* in = x.data<float>();
+             std::vector<float> tmp;
+             const float* in = row_major(x, tmp);
              float* o = out.data<float>();
              parallel_for(int(tasks), threads, [&](int t) {
                softmax_rows(in, o, t * kTask, std::min(rows, (t + 1) * kTask),
@@ -200,8 +201,7 @@ mx::array exact_softmax(const mx::array& x, int threads) {
   }
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<ExactSoftmax>(s, threads),
-                   {row_contiguous(x, s)});
+                   std::make_shared<ExactSoftmax>(s, threads), {x});
 }
 
 void ExactRmsNorm::eval_cpu(const std::vector<mx::array>& inputs,
@@ -210,7 +210,8 @@ void ExactRmsNorm::eval_cpu(const std::vector<mx::array>& inputs,
            [x = inputs[0], w = inputs[1], out = outputs[0],
             eps = eps_]() mutable {
              int64_t d = x.shape(-1);
-             rows(x.data<float>(), w.data<float>(), out.data<float>(),
+             std::vector<float> xt, wt;
+             rows(row_major(x, xt), row_major(w, wt), out.data<float>(),
                   x.size() / d, d, eps);
            });
 }
@@ -235,7 +236,7 @@ mx::array exact_rms_norm(const mx::array& x, const mx::array& w, float eps) {
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<ExactRmsNorm>(s, eps),
-                   {row_contiguous(x, s), row_contiguous(w, s)});
+                   {x, w}); // read through their strides at eval
 }
 
 } // namespace moestream
@@ -308,7 +309,8 @@ void ExactRope::eval_cpu(const std::vector<mx::array>& inputs,
              const int64_t half = dims / 2;
              std::vector<float> inv(half);
              if (has_freqs) { // reciprocal(freqs): 1 / f
-               const float* f = freqs.data<float>();
+               std::vector<float> ft;
+               const float* f = row_major(freqs, ft);
                for (int64_t j = 0; j < half; j++) {
                  inv[j] = 1.0f / f[j];
                }
@@ -321,7 +323,8 @@ void ExactRope::eval_cpu(const std::vector<mx::array>& inputs,
              }
              const int32_t* off = offset.data<int32_t>();
              const bool per_batch = offset.size() > 1;
-             const float* in = x.data<float>();
+             std::vector<float> xt;
+             const float* in = row_major(x, xt);
              float* o = out.data<float>();
              std::vector<float> c, s;
              for (int64_t b = 0; b < B; b++) {
@@ -373,9 +376,9 @@ mx::array exact_rope(const mx::array& x, int dims, bool traditional,
         "moestream rope: freqs must be float32 with dims / 2 values");
   }
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
-  std::vector<mx::array> inputs = {row_contiguous(x, s), offset};
+  std::vector<mx::array> inputs = {x, offset}; // x read through its strides
   if (freqs) {
-    inputs.push_back(row_contiguous(*freqs, s));
+    inputs.push_back(*freqs);
   }
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<ExactRope>(s, dims, traditional, base,

@@ -52,6 +52,41 @@ def test_matmul_equals_mlx(batch, m, k, n, threads):
     assert mx.array_equal(ours_t, a @ mx.swapaxes(bt, -1, -2)).item()
 
 
+def test_kernels_read_views_through_their_strides():
+    """A cache's slice, a transpose, a broadcast: no copy in the graph, the
+    same bits as MLX's ops on the same views."""
+    cache = _operand((2, 4, 256, 64), 31)  # [B, heads, capacity, dim]
+    keys = cache[:, :, :37, :].reshape(8, 37, 64)  # a view: rows 256 apart
+    q = _operand((8, 5, 64), 32)
+    scores = native._native.exact_matmul(q, keys, True)
+    assert mx.array_equal(scores, q @ keys.transpose(0, 2, 1)).item()
+    ours = native._native.exact_matmul(scores, keys, False)
+    assert mx.array_equal(ours, scores @ keys).item()
+    qt = _operand((8, 64, 5), 33).transpose(0, 2, 1)
+    assert mx.array_equal(
+        native._native.exact_matmul(qt, keys, True), qt @ keys.transpose(0, 2, 1)
+    ).item()
+    wide = mx.broadcast_to(_operand((1, 64, 9), 34), (8, 64, 9))
+    assert mx.array_equal(native._native.exact_matmul(q, wide), q @ wide).item()
+    x = _operand((3, 40, 7), 35).transpose(0, 2, 1)
+    assert mx.array_equal(native._native.exact_softmax(x, 2), mx.softmax(x, -1)).item()
+    w = _operand((40,), 36)
+    assert mx.array_equal(
+        native._native.exact_rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5)
+    ).item()
+    wq, sc, bi = mx.quantize(_operand((48, 64), 38), 64, 4)
+    xq = _operand((64, 5), 39).T
+    assert mx.array_equal(
+        native._native.quant_matmul(xq, wq, sc, bi, 4, 64),
+        mx.quantized_matmul(xq, wq, sc, bi, True, 64, 4),
+    ).item()
+    xs = _operand((2, 9, 3, 64), 37).transpose(0, 2, 1, 3)
+    assert mx.array_equal(
+        native._native.exact_rope(xs, 64, False, 1e4, 1.0, mx.array([4], mx.int32)),
+        mx.fast.rope(xs, 64, traditional=False, base=1e4, scale=1.0, offset=4),
+    ).item()
+
+
 def test_matmul_refuses_what_it_does_not_compute():
     with pytest.raises(ValueError, match="float32"):
         native._native.exact_matmul(
