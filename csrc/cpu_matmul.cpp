@@ -87,6 +87,26 @@ TileFn tile_fn(int mr, int nv) {
 // `[K, np]`, np a whole number of vectors, the columns past N zero.
 void pack(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
           int64_t np, bool transposed, float* bp) {
+#if defined(__AVX512F__)
+  if (transposed && cs == 1) { // [N, K] rows: 16 x 16 blocks turned in registers
+    for (int64_t j0 = 0; j0 < np; j0 += 16) {
+      for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        int64_t nk = std::min<int64_t>(16, K - k0);
+        __mmask16 mask = nk >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nk) - 1);
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) {
+          r[j] = j0 + j < N ? _mm512_maskz_loadu_epi32(mask, b + (j0 + j) * rs + k0)
+                            : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int64_t k = 0; k < nk; k++) {
+          _mm512_storeu_si512(bp + (k0 + k) * np + j0, r[k]);
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t k = 0; k < K; k++) {
     float* row = bp + k * np;
     if (transposed) {
@@ -104,15 +124,16 @@ void pack(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
   }
 }
 
-// Rows [i0, i1) of one batch's product into out (`[M, N]`).
-void rows(const float* a, int64_t K, const float* bp, int64_t N, int64_t np,
-          int64_t i0, int64_t i1, float* out) {
+// Rows [i0, i1) of one batch's product into out (`[M, N]`); bp's rows are
+// `ldb` apart, np columns each (whole vectors).
+void rows(const float* a, int64_t K, const float* bp, int64_t ldb, int64_t N,
+          int64_t np, int64_t i0, int64_t i1, float* out) {
   std::vector<float> buf(kRowsTile * np);
   for (int64_t i = i0; i < i1; i += kRowsTile) {
     int mr = int(std::min<int64_t>(kRowsTile, i1 - i));
     for (int64_t j = 0; j < np; j += kVecs * kLanes) {
       int nv = int(std::min<int64_t>(kVecs, (np - j) / kLanes));
-      tile_fn(mr, nv)(a + i * K, K, bp + j, np, K, buf.data() + j, np);
+      tile_fn(mr, nv)(a + i * K, K, bp + j, ldb, K, buf.data() + j, np);
     }
     for (int r = 0; r < mr; r++) {
       std::memcpy(out + (i + r) * N, buf.data() + r * np, N * sizeof(float));
@@ -130,15 +151,21 @@ void run(const mx::array& a, const mx::array& b, mx::array& out,
   const float* bq = b.data<float>();
   float* op = out.data<float>();
   const auto& bs = b.strides();
-  std::vector<float> packed(batch * K * np);
-  parallel_for(int(batch), threads, [&](int n) {
-    pack(bq + n * bs[0], bs[1], bs[2], K, N, np, transposed,
-         packed.data() + n * K * np);
-  });
+  // b's rows as they are where they already are whole vectors of columns
+  // (a cache's values), else packed.
+  const bool direct = !transposed && bs[2] == 1 && N % kLanes == 0;
+  std::vector<float> packed(direct ? 0 : batch * K * np);
+  if (!direct) {
+    parallel_for(int(batch), threads, [&](int n) {
+      pack(bq + n * bs[0], bs[1], bs[2], K, N, np, transposed,
+           packed.data() + n * K * np);
+    });
+  }
   int64_t blocks = (M + kRowsTask - 1) / kRowsTask;
   parallel_for(int(batch * blocks), threads, [&](int task) {
     int64_t n = task / blocks, i0 = task % blocks * kRowsTask;
-    rows(ap + n * M * K, K, packed.data() + n * K * np, N, np, i0,
+    const float* bn = direct ? bq + n * bs[0] : packed.data() + n * K * np;
+    rows(ap + n * M * K, K, bn, direct ? bs[1] : np, N, np, i0,
          std::min(M, i0 + kRowsTask), op + n * M * N);
   });
 }
