@@ -611,15 +611,16 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
   if (pairs == 0) {
     return;
   }
-  std::vector<float> h(pairs * hidden), g(pairs * hidden);
+  float* h = scratch(Scratch::PairsUp, pairs * hidden);
+  float* g = scratch(Scratch::PairsGate, pairs * hidden);
   auto pair_at = [&](int64_t i) { return which ? which[i] : i; };
   int64_t hb = (hidden + kBlock - 1) / kBlock;
   parallel_for(int(pairs * hb), threads, [&](int task) {
     int64_t i = task / hb, r0 = task % hb * kBlock, pair = pair_at(i);
     int64_t r1 = std::min(hidden, r0 + kBlock);
     const float* xt = x + pair / k * d_in;
-    float* hp = h.data() + i * hidden;
-    float* gp = g.data() + i * hidden;
+    float* hp = h + i * hidden;
+    float* gp = g + i * hidden;
     matvec(mat(0, pair), fn[0].rows, r0, r1, xt, gp);
     matvec(mat(1, pair), fn[1].rows, r0, r1, xt, hp);
     for (int64_t r = r0; r < r1; r++) {
@@ -630,7 +631,7 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
   parallel_for(int(pairs * db), threads, [&](int task) {
     int64_t i = task / db, r0 = task % db * kBlock, pair = pair_at(i);
     int64_t r1 = std::min(d_out, r0 + kBlock);
-    matvec(mat(2, pair), fn[2].rows, r0, r1, h.data() + i * hidden,
+    matvec(mat(2, pair), fn[2].rows, r0, r1, h + i * hidden,
            y + pair * d_out);
   });
 }
@@ -688,7 +689,7 @@ static void run_groups(const float* x, const Groups& gr, int64_t k,
   if (gr.order.empty()) {
     return;
   }
-  std::vector<float> h(gr.order.size() * hidden);
+  float* h = scratch(Scratch::PanelsHidden, gr.order.size() * hidden);
   auto up = panel_tasks(gr, hidden);
   parallel_for(int(up.size()), threads, [&](int task) {
     const PanelTask& t = up[task];
@@ -703,7 +704,7 @@ static void run_groups(const float* x, const Groups& gr, int64_t k,
     fn[1].panel(mat(1, ps[0]), t.r0, int(t.n), xs.data(), au.data());
     int64_t rows = std::min<int64_t>(kPanel, hidden - t.r0);
     for (int64_t i = 0; i < t.n; i++) {
-      float* hp = h.data() + (at + i) * hidden + t.r0;
+      float* hp = h + (at + i) * hidden + t.r0;
       for (int64_t j = 0; j < rows; j++) {
         hp[j] = swiglu(ag[i * kPanel + j], au[i * kPanel + j]);
       }
@@ -716,7 +717,7 @@ static void run_groups(const float* x, const Groups& gr, int64_t k,
     const int64_t* ps = gr.order.data() + at;
     std::vector<const float*> xs(t.n);
     for (int64_t i = 0; i < t.n; i++) {
-      xs[i] = h.data() + (at + i) * hidden;
+      xs[i] = h + (at + i) * hidden;
     }
     std::vector<float> acc(t.n * kPanel);
     fn[2].panel(mat(2, ps[0]), t.r0, int(t.n), xs.data(), acc.data());

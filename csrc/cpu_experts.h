@@ -105,6 +105,22 @@ inline void transpose16(__m512i r[16]) {
 
 #endif
 
+// Large temporaries of a kernel call, kept on the calling thread for the
+// next call: a fresh one would cost page faults each time (a memory budget
+// pins glibc's mmap threshold at 1 MiB, so every larger block is a new
+// mapping). One buffer per `Scratch` use, never zeroed; a call's parallel
+// tasks use none of them.
+enum class Scratch { PairsGate, PairsUp, PanelsHidden, MatmulPacked, MatmulA };
+
+inline float* scratch(Scratch use, size_t n) {
+  thread_local std::vector<float> buffers[5];
+  auto& b = buffers[static_cast<int>(use)];
+  if (b.size() < n) {
+    b.resize(n);
+  }
+  return b.data();
+}
+
 // A float32 input's elements in row-major order, at eval: its own buffer
 // where it is row-contiguous, else copied into `tmp` through its strides (a
 // view: a cache's slice, a transpose). Kernels that read an activation this

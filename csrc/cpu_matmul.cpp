@@ -146,25 +146,30 @@ void run(const mx::array& a, const mx::array& b, mx::array& out,
   int64_t batch = a.shape(0), M = a.shape(1), K = a.shape(2);
   int64_t N = transposed ? b.shape(1) : b.shape(2);
   int64_t np = (N + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> a_rows;
-  const float* ap = row_major(a, a_rows);
+  const float* ap = a.data<float>();
+  if (!a.flags().row_contiguous) {
+    std::vector<float> a_rows;
+    float* copy = scratch(Scratch::MatmulA, a.size());
+    std::copy_n(row_major(a, a_rows), a.size(), copy);
+    ap = copy;
+  }
   const float* bq = b.data<float>();
   float* op = out.data<float>();
   const auto& bs = b.strides();
   // b's rows as they are where they already are whole vectors of columns
   // (a cache's values), else packed.
   const bool direct = !transposed && bs[2] == 1 && N % kLanes == 0;
-  std::vector<float> packed(direct ? 0 : batch * K * np);
+  float* packed = direct ? nullptr : scratch(Scratch::MatmulPacked, batch * K * np);
   if (!direct) {
     parallel_for(int(batch), threads, [&](int n) {
       pack(bq + n * bs[0], bs[1], bs[2], K, N, np, transposed,
-           packed.data() + n * K * np);
+           packed + n * K * np);
     });
   }
   int64_t blocks = (M + kRowsTask - 1) / kRowsTask;
   parallel_for(int(batch * blocks), threads, [&](int task) {
     int64_t n = task / blocks, i0 = task % blocks * kRowsTask;
-    const float* bn = direct ? bq + n * bs[0] : packed.data() + n * K * np;
+    const float* bn = direct ? bq + n * bs[0] : packed + n * K * np;
     rows(ap + n * M * K, K, bn, direct ? bs[1] : np, N, np, i0,
          std::min(M, i0 + kRowsTask), op + n * M * N);
   });
