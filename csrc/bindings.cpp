@@ -322,6 +322,18 @@ NB_MODULE(_native, m) {
       "mx.fast.rms_norm(x, w, eps) of float32 on the CPU, bit for bit, as one "
       "op.");
   m.def(
+      "exact_rope",
+      [](const mlx::core::array& x, int dims, bool traditional, float base,
+         float scale, const mlx::core::array& offset,
+         const std::optional<mlx::core::array>& freqs) {
+        return moestream::exact_rope(x, dims, traditional, base, scale, offset,
+                                     freqs);
+      },
+      "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
+      "freqs"_a = nb::none(),
+      "mx.fast.rope(x, dims, ...) of float32 on the CPU, bit for bit, as one "
+      "op (offset: int32, one value or one per batch).");
+  m.def(
       "exact_softmax",
       [](const mlx::core::array& x, int threads) {
         return moestream::exact_softmax(x, threads);

@@ -177,31 +177,6 @@ inline void store_rows(float* out, int64_t r0, int64_t rows, VF acc0, VF acc1) {
 }
 
 #if defined(__AVX512F__)
-// Sixteen vectors of sixteen words, turned: r[i] (lane j) = r[j] (lane i).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; i++) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; i++) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
 // Words [w0, w0 + n) (n <= 16) of sixteen rows, one 64-byte load a row (masked
 // at the rows' end), turned so that ring[w & 31] holds word w of every row;
 // the same line of the rows `ahead` words on (the next block) is asked for.
@@ -222,12 +197,31 @@ inline void load_words(const uint32_t* const* row, int64_t w0, int n,
   }
 }
 
+// Sixteen rows' float32 scales (or biases) of groups [g0, g0 + 16), one
+// 64-byte load a row (masked at the rows' end), turned: out[i] holds group
+// g0 + i of every row.
+inline void load_groups(const uint8_t* const* row, int64_t g0, int64_t groups,
+                        VF* out) {
+  int64_t n = std::min<int64_t>(16, groups - g0);
+  __mmask16 mask = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  __m512i r[16];
+  for (int j = 0; j < 16; j++) {
+    r[j] = _mm512_maskz_loadu_epi32(
+        mask, reinterpret_cast<const float*>(row[j]) + g0);
+  }
+  transpose16(r);
+  for (int i = 0; i < 16; i++) {
+    out[i] = VF(_mm512_castsi512_ps(r[i]));
+  }
+}
+
 // Rows [r0, r0 + kRows) of m @ x, each lane's sum in MLX's _qmm_t order:
 // sum += x[k] * (scale * q + bias), k ascending. Two vectors of sixteen rows,
 // so two sums are in flight. Each row's words come in 64-byte lines, turned
 // so that lane j holds row j's word: a chunk of 32 values is `bits` words,
 // value i at bit i * bits (LSB first, as MLX's byte-wise unpacking reads
-// it). The next block's lines are asked for as these are read. Rows past the
+// it). Float32 scales and biases come the same way, sixteen groups a line.
+// The next block's lines are asked for as these are read. Rows past the
 // end repeat the last row and are not stored.
 template <int bits, ScaleFormat F>
 void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
@@ -257,6 +251,7 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
     }
   }
   alignas(64) VU ring[2][32];
+  alignas(64) VF gs[2][16], gb[2][16]; // float32 scales, biases: 16 groups
   VF acc0 = {}, acc1 = acc0, s0 = {}, s1 = {}, b0 = {}, b1 = {};
   int64_t c = 0;
   for (int64_t w0 = 0; w0 < words; w0 += 16) {
@@ -266,11 +261,22 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
     for (; c < chunks && (c + 1) * bits <= w0 + n; c++) {
       if (c % per_group == 0) {
         int64_t g = c / per_group;
-        for (int j = 0; j < kLanes; j++) {
-          s0[j] = scale_at<F>(sc[0][j], g);
-          b0[j] = scale_at<F>(bi[0][j], g);
-          s1[j] = scale_at<F>(sc[1][j], g);
-          b1[j] = scale_at<F>(bi[1][j], g);
+        if constexpr (F == ScaleFormat::F32) {
+          if (g % 16 == 0) {
+            for (int v = 0; v < 2; v++) {
+              load_groups(sc[v], g, m.groups, gs[v]);
+              load_groups(bi[v], g, m.groups, gb[v]);
+            }
+          }
+          s0 = gs[0][g & 15], b0 = gb[0][g & 15];
+          s1 = gs[1][g & 15], b1 = gb[1][g & 15];
+        } else {
+          for (int j = 0; j < kLanes; j++) {
+            s0[j] = scale_at<F>(sc[0][j], g);
+            b0[j] = scale_at<F>(bi[0][j], g);
+            s1[j] = scale_at<F>(sc[1][j], g);
+            b1[j] = scale_at<F>(bi[1][j], g);
+          }
         }
       }
       VU w0v[bits], w1v[bits];
@@ -605,15 +611,16 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
   if (pairs == 0) {
     return;
   }
-  std::vector<float> h(pairs * hidden), g(pairs * hidden);
+  float* h = scratch(Scratch::PairsUp, pairs * hidden);
+  float* g = scratch(Scratch::PairsGate, pairs * hidden);
   auto pair_at = [&](int64_t i) { return which ? which[i] : i; };
   int64_t hb = (hidden + kBlock - 1) / kBlock;
   parallel_for(int(pairs * hb), threads, [&](int task) {
     int64_t i = task / hb, r0 = task % hb * kBlock, pair = pair_at(i);
     int64_t r1 = std::min(hidden, r0 + kBlock);
     const float* xt = x + pair / k * d_in;
-    float* hp = h.data() + i * hidden;
-    float* gp = g.data() + i * hidden;
+    float* hp = h + i * hidden;
+    float* gp = g + i * hidden;
     matvec(mat(0, pair), fn[0].rows, r0, r1, xt, gp);
     matvec(mat(1, pair), fn[1].rows, r0, r1, xt, hp);
     for (int64_t r = r0; r < r1; r++) {
@@ -624,7 +631,7 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
   parallel_for(int(pairs * db), threads, [&](int task) {
     int64_t i = task / db, r0 = task % db * kBlock, pair = pair_at(i);
     int64_t r1 = std::min(d_out, r0 + kBlock);
-    matvec(mat(2, pair), fn[2].rows, r0, r1, h.data() + i * hidden,
+    matvec(mat(2, pair), fn[2].rows, r0, r1, h + i * hidden,
            y + pair * d_out);
   });
 }
@@ -682,7 +689,7 @@ static void run_groups(const float* x, const Groups& gr, int64_t k,
   if (gr.order.empty()) {
     return;
   }
-  std::vector<float> h(gr.order.size() * hidden);
+  float* h = scratch(Scratch::PanelsHidden, gr.order.size() * hidden);
   auto up = panel_tasks(gr, hidden);
   parallel_for(int(up.size()), threads, [&](int task) {
     const PanelTask& t = up[task];
@@ -697,7 +704,7 @@ static void run_groups(const float* x, const Groups& gr, int64_t k,
     fn[1].panel(mat(1, ps[0]), t.r0, int(t.n), xs.data(), au.data());
     int64_t rows = std::min<int64_t>(kPanel, hidden - t.r0);
     for (int64_t i = 0; i < t.n; i++) {
-      float* hp = h.data() + (at + i) * hidden + t.r0;
+      float* hp = h + (at + i) * hidden + t.r0;
       for (int64_t j = 0; j < rows; j++) {
         hp[j] = swiglu(ag[i * kPanel + j], au[i * kPanel + j]);
       }
@@ -710,7 +717,7 @@ static void run_groups(const float* x, const Groups& gr, int64_t k,
     const int64_t* ps = gr.order.data() + at;
     std::vector<const float*> xs(t.n);
     for (int64_t i = 0; i < t.n; i++) {
-      xs[i] = h.data() + (at + i) * hidden;
+      xs[i] = h + (at + i) * hidden;
     }
     std::vector<float> acc(t.n * kPanel);
     fn[2].panel(mat(2, ps[0]), t.r0, int(t.n), xs.data(), acc.data());
@@ -755,8 +762,9 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
   }
   const Kernels fn[3] = {kernels(specs[0].bits), kernels(specs[1].bits),
                          kernels(specs[2].bits)};
+  std::vector<float> xt;
   run_calls(
-      x.data<float>(), slot, slots, pairs, k, d_in, hidden, d_out,
+      row_major(x, xt), slot, slots, pairs, k, d_in, hidden, d_out,
       [&](int p, int64_t pair) {
         return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
                       slot[pair]);
@@ -796,7 +804,8 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
         m.format = q.format;
         return m;
       };
-  const float* xp = x.data<float>();
+  std::vector<float> xt;
+  const float* xp = row_major(x, xt);
   float* y = out.data<float>();
   int64_t hidden = proj[0].rows, d_out = proj[2].rows;
   auto pending = cache.take_pending();
@@ -855,7 +864,8 @@ static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
   Matrix m = matrix(in[1], in[2], in[3], spec, 0);
   Kernels fn = kernels(spec.bits);
   int64_t tokens = in[0].size() / m.cols;
-  const float* x = in[0].data<float>();
+  std::vector<float> xt;
+  const float* x = row_major(in[0], xt);
   float* y = out.data<float>();
   if (tokens < kMinTokens) {
     int64_t blocks = (m.rows + kBlock - 1) / kBlock;
@@ -922,8 +932,8 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
   int64_t d_in = x.shape(-1);
   check_float32(x, "x");
   std::vector<mx::array> inputs = {
-      mx::contiguous(mx::reshape(x, {-1, int(d_in)}, s), false, s),
-      mx::contiguous(mx::astype(inds, mx::uint32, s), false, s)};
+      mx::reshape(x, {-1, int(d_in)}, s), // read through its strides
+      row_contiguous(mx::astype(inds, mx::uint32, s), s)};
   if (inputs[0].shape(0) * inds.shape(-1) != inds.size()) {
     throw std::invalid_argument(
         "moestream kernel: x and inds disagree on the tokens");
@@ -934,7 +944,7 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
     check_float32(weights[3 * p + 2], "biases");
   }
   for (auto& w : weights) {
-    inputs.push_back(mx::contiguous(w, false, s));
+    inputs.push_back(row_contiguous(w, s));
   }
   auto shape = inds.shape();
   shape.push_back(weights[6].shape(-2));
@@ -978,8 +988,8 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
   }
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   std::vector<mx::array> inputs = {
-      mx::contiguous(mx::reshape(x, {-1, int(d_in)}, s), false, s),
-      mx::contiguous(mx::astype(experts, mx::uint32, s), false, s)};
+      mx::reshape(x, {-1, int(d_in)}, s), // read through its strides
+      row_contiguous(mx::astype(experts, mx::uint32, s), s)};
   if (inputs[0].shape(0) * experts.shape(-1) != experts.size()) {
     throw std::invalid_argument(
         "moestream kernel: x and the expert ids disagree on the tokens");
@@ -1008,10 +1018,10 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w,
   }
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, s),
-                                   mx::contiguous(w, false, s),
-                                   mx::contiguous(scales, false, s),
-                                   mx::contiguous(biases, false, s)};
+  std::vector<mx::array> inputs = {x, // read through its strides
+                                   row_contiguous(w, s),
+                                   row_contiguous(scales, s),
+                                   row_contiguous(biases, s)};
   return mx::array(shape, mx::float32,
                    std::make_shared<QuantMatmul>(s, spec, threads),
                    std::move(inputs));

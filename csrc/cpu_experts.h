@@ -5,14 +5,20 @@
 // Every output's sum runs over the reduction in MLX's order.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
 #include "mlx/primitives.h"
 
 namespace mx = mlx::core;
@@ -60,6 +66,90 @@ void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
   }
   enc.set_output_array(out);
   enc.dispatch(std::forward<Task>(task));
+}
+
+// `a` as a kernel's row-contiguous input: itself where it is already
+// evaluated so (weights, slots: no graph node), else MLX's contiguous op.
+inline mx::array row_contiguous(const mx::array& a, mx::Stream s) {
+  if (a.is_available() && a.flags().row_contiguous) {
+    return a;
+  }
+  return mx::contiguous(a, false, s);
+}
+
+#if defined(__AVX512F__)
+// Sixteen vectors of sixteen words, turned: r[i] (lane j) = r[j] (lane i).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+#endif
+
+// Large temporaries of a kernel call, kept on the calling thread for the
+// next call: a fresh one would cost page faults each time (a memory budget
+// pins glibc's mmap threshold at 1 MiB, so every larger block is a new
+// mapping). One buffer per `Scratch` use, never zeroed; a call's parallel
+// tasks use none of them.
+enum class Scratch { PairsGate, PairsUp, PanelsHidden, MatmulPacked, MatmulA };
+
+inline float* scratch(Scratch use, size_t n) {
+  thread_local std::vector<float> buffers[5];
+  auto& b = buffers[static_cast<int>(use)];
+  if (b.size() < n) {
+    b.resize(n);
+  }
+  return b.data();
+}
+
+// A float32 input's elements in row-major order, at eval: its own buffer
+// where it is row-contiguous, else copied into `tmp` through its strides (a
+// view: a cache's slice, a transpose). Kernels that read an activation this
+// way need no Contiguous node in the graph.
+inline const float* row_major(const mx::array& a, std::vector<float>& tmp) {
+  if (a.flags().row_contiguous) {
+    return a.data<float>();
+  }
+  tmp.resize(a.size());
+  const float* src = a.data<float>();
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = int(a.ndim());
+  const int64_t inner = nd ? shape[nd - 1] : 1;
+  const int64_t step = nd ? strides[nd - 1] : 1;
+  std::vector<int64_t> idx(std::max(nd - 1, 0), 0);
+  for (int64_t done = 0; done < int64_t(a.size()); done += inner) {
+    int64_t off = 0;
+    for (int d = 0; d + 1 < nd; d++) {
+      off += idx[d] * strides[d];
+    }
+    for (int64_t i = 0; i < inner; i++) {
+      tmp[done + i] = src[off + i * step];
+    }
+    for (int d = nd - 2; d >= 0 && ++idx[d] == shape[d]; d--) {
+      idx[d] = 0;
+    }
+  }
+  return tmp.data();
 }
 
 // SwitchGLU with SwiGLU on slots: out[t, j] = down(silu(gate(x_t)) * up(x_t))

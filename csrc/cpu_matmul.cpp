@@ -82,32 +82,58 @@ TileFn tile_fn(int mr, int nv) {
   }
 }
 
-// b `[K, N]` (or `[N, K]` where transposed) as `[K, np]`, np a whole number
-// of vectors, the columns past N zero.
-void pack(const float* b, int64_t K, int64_t N, int64_t np, bool transposed,
-          float* bp) {
+// One batch of b, `[K, N]` (or `[N, K]` where transposed) at row stride
+// `rs` and column stride `cs` (a view of a cache reads in place), as
+// `[K, np]`, np a whole number of vectors, the columns past N zero.
+void pack(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
+          int64_t np, bool transposed, float* bp) {
+#if defined(__AVX512F__)
+  if (transposed && cs == 1) { // [N, K] rows: 16 x 16 blocks turned in registers
+    for (int64_t j0 = 0; j0 < np; j0 += 16) {
+      for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        int64_t nk = std::min<int64_t>(16, K - k0);
+        __mmask16 mask = nk >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nk) - 1);
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) {
+          r[j] = j0 + j < N ? _mm512_maskz_loadu_epi32(mask, b + (j0 + j) * rs + k0)
+                            : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int64_t k = 0; k < nk; k++) {
+          _mm512_storeu_si512(bp + (k0 + k) * np + j0, r[k]);
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t k = 0; k < K; k++) {
     float* row = bp + k * np;
     if (transposed) {
       for (int64_t j = 0; j < N; j++) {
-        row[j] = b[j * K + k];
+        row[j] = b[j * rs + k * cs];
       }
+    } else if (cs == 1) {
+      std::memcpy(row, b + k * rs, N * sizeof(float));
     } else {
-      std::memcpy(row, b + k * N, N * sizeof(float));
+      for (int64_t j = 0; j < N; j++) {
+        row[j] = b[k * rs + j * cs];
+      }
     }
     std::fill(row + N, row + np, 0.0f);
   }
 }
 
-// Rows [i0, i1) of one batch's product into out (`[M, N]`).
-void rows(const float* a, int64_t K, const float* bp, int64_t N, int64_t np,
-          int64_t i0, int64_t i1, float* out) {
+// Rows [i0, i1) of one batch's product into out (`[M, N]`); bp's rows are
+// `ldb` apart, np columns each (whole vectors).
+void rows(const float* a, int64_t K, const float* bp, int64_t ldb, int64_t N,
+          int64_t np, int64_t i0, int64_t i1, float* out) {
   std::vector<float> buf(kRowsTile * np);
   for (int64_t i = i0; i < i1; i += kRowsTile) {
     int mr = int(std::min<int64_t>(kRowsTile, i1 - i));
     for (int64_t j = 0; j < np; j += kVecs * kLanes) {
       int nv = int(std::min<int64_t>(kVecs, (np - j) / kLanes));
-      tile_fn(mr, nv)(a + i * K, K, bp + j, np, K, buf.data() + j, np);
+      tile_fn(mr, nv)(a + i * K, K, bp + j, ldb, K, buf.data() + j, np);
     }
     for (int r = 0; r < mr; r++) {
       std::memcpy(out + (i + r) * N, buf.data() + r * np, N * sizeof(float));
@@ -121,16 +147,30 @@ void run(const mx::array& a, const mx::array& b, mx::array& out,
   int64_t N = transposed ? b.shape(1) : b.shape(2);
   int64_t np = (N + kLanes - 1) / kLanes * kLanes;
   const float* ap = a.data<float>();
+  if (!a.flags().row_contiguous) {
+    std::vector<float> a_rows;
+    float* copy = scratch(Scratch::MatmulA, a.size());
+    std::copy_n(row_major(a, a_rows), a.size(), copy);
+    ap = copy;
+  }
   const float* bq = b.data<float>();
   float* op = out.data<float>();
-  std::vector<float> packed(batch * K * np);
-  parallel_for(int(batch), threads, [&](int n) {
-    pack(bq + n * K * N, K, N, np, transposed, packed.data() + n * K * np);
-  });
+  const auto& bs = b.strides();
+  // b's rows as they are where they already are whole vectors of columns
+  // (a cache's values), else packed.
+  const bool direct = !transposed && bs[2] == 1 && N % kLanes == 0;
+  float* packed = direct ? nullptr : scratch(Scratch::MatmulPacked, batch * K * np);
+  if (!direct) {
+    parallel_for(int(batch), threads, [&](int n) {
+      pack(bq + n * bs[0], bs[1], bs[2], K, N, np, transposed,
+           packed + n * K * np);
+    });
+  }
   int64_t blocks = (M + kRowsTask - 1) / kRowsTask;
   parallel_for(int(batch * blocks), threads, [&](int task) {
     int64_t n = task / blocks, i0 = task % blocks * kRowsTask;
-    rows(ap + n * M * K, K, packed.data() + n * K * np, N, np, i0,
+    const float* bn = direct ? bq + n * bs[0] : packed + n * K * np;
+    rows(ap + n * M * K, K, bn, direct ? bs[1] : np, N, np, i0,
          std::min(M, i0 + kRowsTask), op + n * M * N);
   });
 }
@@ -172,7 +212,7 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, bool transpose_b,
                      transpose_b ? b.shape(1) : b.shape(2)};
   return mx::array(shape, mx::float32,
                    std::make_shared<ExactMatmul>(s, transpose_b, threads),
-                   {mx::contiguous(a, false, s), mx::contiguous(b, false, s)});
+                   {a, b}); // read through their strides at eval
 }
 
 } // namespace moestream

@@ -1,7 +1,7 @@
 """Where one decode step's time goes, for mlx-lm's resident model and the streaming one.
 
     .venv/bin/python scripts/profile_step.py build/bench-small [--steps 20]
-        [--prompt 128]
+        [--prompt 128 | --context 2048]
 
 Two measurements of the same greedy decode steps, side by side in one run:
 the plain step (MLX's lazy graph evaluated once, as generation runs it), and
@@ -115,10 +115,16 @@ def _step(model: nn.Module, token: mx.array, cache: list) -> mx.array:
     return logits[:, -1, :]
 
 
-def decode(model: nn.Module, steps: int, prof: Profiler, prompt: int = 0) -> dict:
+def decode(
+    model: nn.Module, steps: int, prof: Profiler, prompt: int = 0, context: int = 0
+) -> dict:
     """Median seconds of plain and instrumented steps, alternating: decode
-    steps, or with `prompt` tokens, prefills of that many from an empty cache."""
+    steps (after `context` tokens, in 512-token chunks), or with `prompt`
+    tokens, prefills of that many from an empty cache."""
     cache = make_prompt_cache(model)
+    before = [(5 * i + 1) % 8000 + 1 for i in range(context)] + PROMPT
+    for i in range(0, len(before) - len(PROMPT), 512):
+        mx.eval(_step(model, mx.array(before[i : min(i + 512, context)]), cache))
     logits = _step(model, mx.array(PROMPT), cache)
     token = mx.argmax(logits, axis=-1)
     mx.eval(token)
@@ -218,6 +224,12 @@ def main() -> None:
         help="comma list of resident, python, native, native+kernel[:threads]",
     )
     ap.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="decode after this many tokens of context (a long cache)",
+    )
+    ap.add_argument(
         "--prompt",
         type=int,
         default=0,
@@ -239,7 +251,7 @@ def main() -> None:
             )
             model, _ = load(args.model, cfg)
         instrument(model, prof)
-        results[variant] = decode(model, args.steps, prof, args.prompt)
+        results[variant] = decode(model, args.steps, prof, args.prompt, args.context)
         del model
     print(table(results))
 

@@ -1,8 +1,8 @@
 """The kernel's small exact ops against MLX's, bit for bit: the float32 matmul
 (csrc/cpu_matmul.h) against mx.matmul, attention on it
 (moestream/runtime/attention.py) against mx.fast.scaled_dot_product_attention,
-the RMS norm (csrc/cpu_ops.h) against mx.fast.rms_norm; the streaming model
-with them against mlx-lm's resident model."""
+the RMS norm and the rope (csrc/cpu_ops.h) against mx.fast.rms_norm and
+mx.fast.rope; the streaming model with them against mlx-lm's resident model."""
 
 from __future__ import annotations
 
@@ -52,6 +52,41 @@ def test_matmul_equals_mlx(batch, m, k, n, threads):
     assert mx.array_equal(ours_t, a @ mx.swapaxes(bt, -1, -2)).item()
 
 
+def test_kernels_read_views_through_their_strides():
+    """A cache's slice, a transpose, a broadcast: no copy in the graph, the
+    same bits as MLX's ops on the same views."""
+    cache = _operand((2, 4, 256, 64), 31)  # [B, heads, capacity, dim]
+    keys = cache[:, :, :37, :].reshape(8, 37, 64)  # a view: rows 256 apart
+    q = _operand((8, 5, 64), 32)
+    scores = native._native.exact_matmul(q, keys, True)
+    assert mx.array_equal(scores, q @ keys.transpose(0, 2, 1)).item()
+    ours = native._native.exact_matmul(scores, keys, False)
+    assert mx.array_equal(ours, scores @ keys).item()
+    qt = _operand((8, 64, 5), 33).transpose(0, 2, 1)
+    assert mx.array_equal(
+        native._native.exact_matmul(qt, keys, True), qt @ keys.transpose(0, 2, 1)
+    ).item()
+    wide = mx.broadcast_to(_operand((1, 64, 9), 34), (8, 64, 9))
+    assert mx.array_equal(native._native.exact_matmul(q, wide), q @ wide).item()
+    x = _operand((3, 40, 7), 35).transpose(0, 2, 1)
+    assert mx.array_equal(native._native.exact_softmax(x, 2), mx.softmax(x, -1)).item()
+    w = _operand((40,), 36)
+    assert mx.array_equal(
+        native._native.exact_rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5)
+    ).item()
+    wq, sc, bi = mx.quantize(_operand((48, 64), 38), 64, 4)
+    xq = _operand((64, 5), 39).T
+    assert mx.array_equal(
+        native._native.quant_matmul(xq, wq, sc, bi, 4, 64),
+        mx.quantized_matmul(xq, wq, sc, bi, True, 64, 4),
+    ).item()
+    xs = _operand((2, 9, 3, 64), 37).transpose(0, 2, 1, 3)
+    assert mx.array_equal(
+        native._native.exact_rope(xs, 64, False, 1e4, 1.0, mx.array([4], mx.int32)),
+        mx.fast.rope(xs, 64, traditional=False, base=1e4, scale=1.0, offset=4),
+    ).item()
+
+
 def test_matmul_refuses_what_it_does_not_compute():
     with pytest.raises(ValueError, match="float32"):
         native._native.exact_matmul(
@@ -89,6 +124,69 @@ def test_rms_norm_swaps_in_where_it_is_exact():
     assert mx.array_equal(norm(x.astype(mx.float16)), theirs16).item()  # MLX's own
     with pytest.raises(ValueError, match="one weight per element"):
         native._native.exact_rms_norm(x, mx.zeros((3,)), 1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape, dims",
+    [
+        ((1, 16, 1, 64), 64),
+        ((2, 4, 37, 128), 128),
+        ((3, 2, 9, 80), 48),
+        ((2, 9, 96), 96),
+    ],
+)
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize(
+    "base, scale, offset", [(1e4, 1.0, 0), (1e6, 1.0, 4095), (5e5, 0.25, 123457)]
+)
+def test_rope_equals_mlx(shape, dims, traditional, base, scale, offset):
+    """Decode rows and prompts, rotated part of the features or all of them,
+    positions past sin and cos's 2^23 cut-over to libm."""
+    x = _operand(shape, 17) * 4
+    ours = native._native.exact_rope(
+        x, dims, traditional, base, scale, mx.array([offset], mx.int32)
+    )
+    theirs = mx.fast.rope(
+        x, dims, traditional=traditional, base=base, scale=scale, offset=offset
+    )
+    assert mx.array_equal(ours, theirs).item()
+
+
+def test_rope_per_batch_offsets_frequencies_and_strided_input():
+    x = _operand((3, 4, 7, 64), 19)
+    offsets = mx.array([0, 100, 5000], mx.int32)
+    ours = native._native.exact_rope(x, 64, False, 1e4, 1.0, offsets)
+    theirs = mx.fast.rope(x, 64, traditional=False, base=1e4, scale=1.0, offset=offsets)
+    assert mx.array_equal(ours, theirs).item()
+    freqs = mx.random.uniform(1, 1000, (32,), key=mx.random.key(3))
+    ours = native._native.exact_rope(x, 64, False, 0.0, 1.0, offsets[1:2], freqs)
+    theirs = mx.fast.rope(
+        x, 64, traditional=False, base=None, scale=1.0, offset=100, freqs=freqs
+    )
+    assert mx.array_equal(ours, theirs).item()
+    xt = _operand((1, 9, 16, 64), 21).transpose(0, 2, 1, 3)  # as attention's q
+    ours = native._native.exact_rope(xt, 64, False, 1e4, 1.0, mx.array([3], mx.int32))
+    theirs = mx.fast.rope(xt, 64, traditional=False, base=1e4, scale=1.0, offset=3)
+    assert mx.array_equal(ours, theirs).item()
+    with pytest.raises(ValueError, match="dims must be even"):
+        native._native.exact_rope(x, 63, False, 1e4, 1.0, offsets)
+    with pytest.raises(ValueError, match="one value or one per batch"):
+        native._native.exact_rope(x, 64, False, 1e4, 1.0, mx.zeros((2,), mx.int32))
+
+
+def test_rope_swaps_in_where_it_is_exact():
+    import mlx.nn as nn
+
+    rope = nn.RoPE(32, base=1e4)
+    x = _operand((1, 2, 5, 48), 23)
+    theirs = [rope(x, offset=9), rope(x.astype(mx.float16), offset=9)]
+    native.rope_matches_mlx.cache_clear()
+    plan = SimpleNamespace(cpu_kernel=True, tuning=Tuning())
+    assert native.use_dense_kernel(rope, plan) == 1
+    assert type(rope) is native.KernelRoPE
+    assert mx.array_equal(rope(x, offset=9), theirs[0]).item()
+    assert mx.array_equal(rope(x, offset=mx.array(9)), theirs[0]).item()
+    assert mx.array_equal(rope(x.astype(mx.float16), offset=9), theirs[1]).item()
 
 
 @pytest.mark.parametrize(
@@ -165,7 +263,13 @@ def test_other_attention_runs_mlx_lm_own():
 
 
 @pytest.mark.parametrize(
-    "check", [native.kernel_matches_mlx, native.norm_matches_mlx, att.matches_mlx]
+    "check",
+    [
+        native.kernel_matches_mlx,
+        native.norm_matches_mlx,
+        native.rope_matches_mlx,
+        att.matches_mlx,
+    ],
 )
 def test_first_use_checks_pass_here_and_leave_the_random_state(check):
     """Each kernel's check at first use finds it equal to this MLX, and draws
@@ -199,6 +303,8 @@ def test_rebinding_touches_one_model_only(converted, reference):
         type(m) for _, m in model.named_modules() if isinstance(m, native.nn.RMSNorm)
     ]
     assert norms and set(norms) == {native.KernelRMSNorm}
+    ropes = [type(m) for _, m in model.named_modules() if isinstance(m, native.nn.RoPE)]
+    assert ropes and set(ropes) == {native.KernelRoPE}
     off = SimpleNamespace(cpu_kernel=False, tuning=Tuning())
     assert att.use_exact_attention(reference, off) == 0
     a = logits_stepwise(model, PROMPT, steps=6)

@@ -386,14 +386,49 @@ def norm_matches_mlx() -> bool:
     return True
 
 
+class KernelRoPE(nn.RoPE):
+    """nn.RoPE whose float32 rotation runs as the kernel's one op (MLX's CPU
+    fallback runs about thirty), bit for bit."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.dtype != mx.float32 or not 3 <= x.ndim <= 4:
+            return super().__call__(x, offset)
+        if isinstance(offset, mx.array):
+            offset = offset.astype(mx.int32).reshape(-1)
+        else:
+            offset = mx.array([offset], mx.int32)
+        return _native.exact_rope(
+            x, self.dims, self.traditional, self.base, self.scale, offset
+        )
+
+
+@functools.cache
+def rope_matches_mlx() -> bool:
+    """Whether the kernel's rope equals this MLX's, bit for bit, both layouts
+    (checked once; MLX's random state left alone)."""
+    x = mx.random.normal((2, 3, 5, 64), key=mx.random.key(6)) * 3
+    for traditional, offset in ((False, 7), (True, 70000)):
+        ours = _native.exact_rope(
+            x, 48, traditional, 10000.0, 1.0, mx.array([offset], mx.int32)
+        )
+        mlx = mx.fast.rope(
+            x, 48, traditional=traditional, base=10000.0, scale=1.0, offset=offset
+        )
+        if not mx.array_equal(ours, mlx).item():
+            log.warning("the kernel's rope differs from MLX's here: not used")
+            return False
+    return True
+
+
 def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
     """Turn the model's affine nn.QuantizedLinear layers into KernelLinear,
-    and its nn.RMSNorm into KernelRMSNorm, where the plan runs the CPU
-    kernel; the number turned."""
+    its nn.RMSNorm into KernelRMSNorm and its nn.RoPE into KernelRoPE, where
+    the plan runs the CPU kernel; the number turned."""
     if not plan.cpu_kernel:
         return 0
     n = 0
     norms = norm_matches_mlx()
+    ropes = rope_matches_mlx()
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear and module.mode == "affine":
             module.__class__ = KernelLinear
@@ -401,5 +436,8 @@ def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
             n += 1
         elif type(module) is nn.RMSNorm and norms:
             module.__class__ = KernelRMSNorm
+            n += 1
+        elif type(module) is nn.RoPE and ropes:
+            module.__class__ = KernelRoPE
             n += 1
     return n
