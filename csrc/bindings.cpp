@@ -9,6 +9,7 @@
 #include "cpu_experts.h"
 #include "cpu_matmul.h"
 #include "cpu_ops.h"
+#include "cpu_rope.h"
 #include "expert_cache.h"
 #include "expert_fetch.h"
 #include "mlx/version.h"
