@@ -1,18 +1,24 @@
-"""Builds of the native extension side by side on a converted model: decode
-and prefill tok/s, each build in a fresh process per round, rounds
-interleaved, medians; every build's tokens and prefill logits compared.
+"""Builds of the native extension, or whole checkouts, side by side on a
+converted model: decode and prefill tok/s, each in a fresh process per
+round, rounds interleaved, medians; every variant's tokens and prefill
+logits compared.
 
     .venv/bin/python scripts/kernel_ab.py build/bench-small \
         --variants build/native-base.so,build/native-new.so \
-        [--rounds 3] [--tokens 32] [--prompt-tokens 128,1024] [--pct 100]
+        [--rounds 3] [--tokens 32] [--prompt-tokens 128,1024] [--pct 100] \
+        [--context 2048]
 
-Each child loads the named module (.so) as moestream._native before the
-runtime imports it, loads the model with `--pct` of each layer's experts in
+A variant is a built module (.so), which each child loads as
+moestream._native before the runtime imports it, or a checkout's directory
+(its moestream, with its own built extension, first on the child's
+PYTHONPATH: Python and kernels of two commits side by side). The child
+loads the model with `--pct` of each layer's experts in
 slots and the CPU kernel on, decodes `--tokens` sampled tokens (temperature
 1, the same seed in every process, so routing varies from token to token but
 not from build to build) after a 16-token prompt with mlx-lm's
 generate_step (as run-moe does: each step's graph built while the last one
-runs), and times a prefill of each `--prompt-tokens` length. Each round
+runs), with `--context N` the same after an N-token prompt too (a long
+cache), and times a prefill of each `--prompt-tokens` length. Each round
 starts one build later than the last. A build's tokens or logits that
 differ from the first build's are reported: builds of an exact kernel agree
 bit for bit.
@@ -24,6 +30,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,13 +39,19 @@ from pathlib import Path
 
 
 def child(
-    variant: str, model_dir: str, pct: float, tokens: int, prompts: list[int]
+    variant: str,
+    model_dir: str,
+    pct: float,
+    tokens: int,
+    prompts: list[int],
+    context: int,
 ) -> dict:
     so, _, flag = variant.partition(":")
-    spec = importlib.util.spec_from_file_location("moestream._native", so)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules["moestream._native"] = module
+    if not Path(so).is_dir():  # a checkout is on PYTHONPATH already
+        spec = importlib.util.spec_from_file_location("moestream._native", so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["moestream._native"] = module
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -65,17 +78,19 @@ def child(
         out["prefill"][p] = p / (time.perf_counter() - start)
         out["digest"][p] = hashlib.sha256(bytes(memoryview(logits))).hexdigest()[:16]
     # as run-moe decodes: mlx-lm's generate_step, one step computed ahead
-    mx.random.seed(0)
-    steps = generate_step(
-        mx.array(list(range(1, 17))),
-        model,
-        max_tokens=tokens + 1,
-        sampler=make_sampler(1.0),
-    )
-    next(steps)  # the prompt and the first token
-    start = time.perf_counter()
-    out["tokens"] = [int(t) for t, _ in steps]
-    out["decode"] = len(out["tokens"]) / (time.perf_counter() - start)
+    for key, before in (("decode", 0), ("context", context)):
+        if key == "context" and not context:
+            continue
+        mx.random.seed(0)
+        prompt = [(5 * i + 1) % 8000 + 1 for i in range(before)] + list(range(1, 17))
+        steps = generate_step(
+            mx.array(prompt), model, max_tokens=tokens + 1, sampler=make_sampler(1.0)
+        )
+        next(steps)  # the prompt and the first token
+        start = time.perf_counter()
+        drawn = [int(t) for t, _ in steps]
+        out[key] = len(drawn) / (time.perf_counter() - start)
+        out.setdefault("tokens", []).extend(drawn)
     return out
 
 
@@ -89,11 +104,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", default="")
     ap.add_argument("--pct", type=float, default=100)
+    ap.add_argument(
+        "--context", type=int, default=0, help="decode after this long a prompt too"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     prompts = [int(p) for p in args.prompt_tokens.split(",") if p]
     if args.child:
-        res = child(args.child, args.model, args.pct, args.tokens, prompts)
+        res = child(
+            args.child, args.model, args.pct, args.tokens, prompts, args.context
+        )
         print(json.dumps(res))
         return
     names = args.variants.split(",")
@@ -112,31 +132,47 @@ def main() -> None:
             ]
             cmd += ["--tokens", str(args.tokens), "--pct", str(args.pct)]
             cmd += ["--prompt-tokens", args.prompt_tokens]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            cmd += ["--context", str(args.context)]
+            env = dict(os.environ)
+            if Path(so).is_dir():  # a checkout: its moestream first
+                env["PYTHONPATH"] = os.pathsep.join(
+                    [str(Path(so).resolve()), env.get("PYTHONPATH", "")]
+                )
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, check=True, env=env
+            )
             runs[so].append(json.loads(done.stdout.strip().splitlines()[-1]))
     load.append(
         subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     )
-    table(names, runs, prompts, args.pct)
+    table(names, runs, prompts, args.pct, args.context)
     print("load before/after:", *load, sep="\n  ")
 
 
 def table(
-    names: list[str], runs: dict[str, list[dict]], prompts: list[int], pct: float
+    names: list[str],
+    runs: dict[str, list[dict]],
+    prompts: list[int],
+    pct: float,
+    context: int,
 ) -> None:
     first = runs[names[0]][0]
-    heads = "".join(f" prefill {p} tok/s | x first |" for p in prompts)
-    print(
-        f"| build ({pct:.0f} % slots) | decode tok/s | x first |{heads} same output |"
+    keys = ["decode"] + (["context"] if context else [])
+    heads = "".join(
+        f" decode after {context} tok/s | x first |" for k in keys if k == "context"
     )
-    print("|---" * (4 + 2 * len(prompts)) + "|")
-    base = statistics.median(r["decode"] for r in runs[names[0]])
+    heads += "".join(f" prefill {p} tok/s | x first |" for p in prompts)
+    print(
+        f"| variant ({pct:.0f} % slots) | decode tok/s | x first |{heads} same output |"
+    )
+    print("|---" * (2 + 2 * len(keys) + 2 * len(prompts)) + "|")
     for n in names:
         rs = runs[n]
-        dec = statistics.median(r["decode"] for r in rs)
-        row = (
-            f"| {Path(n).name.replace('_native.', '')} | {dec:.2f} | {dec / base:.2f} |"
-        )
+        row = f"| {Path(n).name.replace('_native.', '')} |"
+        for k in keys:
+            dec = statistics.median(r[k] for r in rs)
+            base = statistics.median(r[k] for r in runs[names[0]])
+            row += f" {dec:.2f} | {dec / base:.2f} |"
         for p in prompts:
             f = statistics.median(r["prefill"][str(p)] for r in rs)
             f0 = statistics.median(r["prefill"][str(p)] for r in runs[names[0]])
