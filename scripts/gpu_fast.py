@@ -11,26 +11,14 @@ the exact one.
 from __future__ import annotations
 
 import argparse
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from gpu_groups import D, E, F, K, timed  # the same geometry and clock
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from moestream.runtime.fast import fast_glu
-
-D, F, E, K = 2048, 768, 128, 8
-
-
-def timed(f, repeats: int = 10) -> float:
-    """Milliseconds per call, each evaluated (after two warm-up calls)."""
-    for _ in range(2):
-        mx.eval(f())
-    start = time.perf_counter()
-    for _ in range(repeats):
-        mx.eval(f())
-    return (time.perf_counter() - start) / repeats * 1e3
 
 
 def main() -> None:
