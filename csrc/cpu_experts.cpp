@@ -611,8 +611,9 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
   if (pairs == 0) {
     return;
   }
-  float* h = scratch(Scratch::PairsUp, pairs * hidden);
-  float* g = scratch(Scratch::PairsGate, pairs * hidden);
+  std::vector<float> h_spill, g_spill;
+  float* h = scratch(Scratch::PairsUp, pairs * hidden, h_spill);
+  float* g = scratch(Scratch::PairsGate, pairs * hidden, g_spill);
   auto pair_at = [&](int64_t i) { return which ? which[i] : i; };
   int64_t hb = (hidden + kBlock - 1) / kBlock;
   parallel_for(int(pairs * hb), threads, [&](int task) {
@@ -689,7 +690,8 @@ static void run_groups(const float* x, const Groups& gr, int64_t k,
   if (gr.order.empty()) {
     return;
   }
-  float* h = scratch(Scratch::PanelsHidden, gr.order.size() * hidden);
+  std::vector<float> spill;
+  float* h = scratch(Scratch::PanelsHidden, gr.order.size() * hidden, spill);
   auto up = panel_tasks(gr, hidden);
   parallel_for(int(up.size()), threads, [&](int task) {
     const PanelTask& t = up[task];

@@ -109,11 +109,19 @@ inline void transpose16(__m512i r[16]) {
 // next call: a fresh one would cost page faults each time (a memory budget
 // pins glibc's mmap threshold at 1 MiB, so every larger block is a new
 // mapping). One buffer per `Scratch` use, never zeroed; a call's parallel
-// tasks use none of them.
-enum class Scratch { PairsGate, PairsUp, PanelsHidden, MatmulPacked, MatmulA };
+// tasks use none of them. Up to kScratchKept bytes each are kept (a decode
+// step's, so that the process's memory stays within its plan); a larger
+// one (a long prompt's, whose page faults its arithmetic dwarfs) lives in
+// the caller's `spill` for the call.
+enum class Scratch { PairsGate, PairsUp, PanelsHidden, MatmulPacked };
+constexpr size_t kScratchKept = 8 << 20;
 
-inline float* scratch(Scratch use, size_t n) {
-  thread_local std::vector<float> buffers[5];
+inline float* scratch(Scratch use, size_t n, std::vector<float>& spill) {
+  if (n * sizeof(float) > kScratchKept) {
+    spill.resize(n);
+    return spill.data();
+  }
+  thread_local std::vector<float> buffers[4];
   auto& b = buffers[static_cast<int>(use)];
   if (b.size() < n) {
     b.resize(n);

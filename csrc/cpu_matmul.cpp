@@ -146,20 +146,17 @@ void run(const mx::array& a, const mx::array& b, mx::array& out,
   int64_t batch = a.shape(0), M = a.shape(1), K = a.shape(2);
   int64_t N = transposed ? b.shape(1) : b.shape(2);
   int64_t np = (N + kLanes - 1) / kLanes * kLanes;
-  const float* ap = a.data<float>();
-  if (!a.flags().row_contiguous) {
-    std::vector<float> a_rows;
-    float* copy = scratch(Scratch::MatmulA, a.size());
-    std::copy_n(row_major(a, a_rows), a.size(), copy);
-    ap = copy;
-  }
+  std::vector<float> a_rows; // where a is a view (queries are not)
+  const float* ap = row_major(a, a_rows);
   const float* bq = b.data<float>();
   float* op = out.data<float>();
   const auto& bs = b.strides();
   // b's rows as they are where they already are whole vectors of columns
   // (a cache's values), else packed.
   const bool direct = !transposed && bs[2] == 1 && N % kLanes == 0;
-  float* packed = direct ? nullptr : scratch(Scratch::MatmulPacked, batch * K * np);
+  std::vector<float> packed_spill;
+  float* packed =
+      direct ? nullptr : scratch(Scratch::MatmulPacked, batch * K * np, packed_spill);
   if (!direct) {
     parallel_for(int(batch), threads, [&](int n) {
       pack(bq + n * bs[0], bs[1], bs[2], K, N, np, transposed,
