@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from gpu_groups import D, E, F, K, timed  # the same geometry and clock
-from mlx_lm.models.switch_layers import SwitchGLU
+from gpu_groups import K, layer, routed, timed  # the same geometry and clock
 
 from moestream.runtime.fast import fast_glu
 
@@ -27,16 +25,12 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args()
     dtype = getattr(mx, a.dtype)
-    mx.random.seed(0)
-    glu = SwitchGLU(D, F, E)
-    nn.quantize(glu, group_size=64, bits=4)
-    glu.set_dtype(dtype)
+    glu = layer(dtype)
     rng = np.random.default_rng(0)
     print("| tokens | pairs | exact ms | fast ms | fast / exact | max abs diff |")
     print("|---|---|---|---|---|---|")
     for tokens in [int(t) for t in a.tokens.split(",")]:
-        x = (mx.random.normal((1, tokens, D)) * 0.5).astype(dtype)
-        experts = np.argsort(rng.random((1, tokens, E)), axis=-1)[..., :K]
+        x, experts = routed(tokens, dtype, rng)
         idx = mx.array(experts.astype(np.uint32))
         exact = timed(lambda x=x, idx=idx: glu(x, idx))
         fast = timed(lambda x=x, idx=idx: fast_glu(glu, x, idx))

@@ -36,6 +36,21 @@ def timed(f, repeats: int = 10) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def layer(dtype: mx.Dtype) -> SwitchGLU:
+    """One MoE layer's experts at this geometry, 4-bit, groups of 64."""
+    mx.random.seed(0)
+    glu = SwitchGLU(D, F, E)
+    nn.quantize(glu, group_size=64, bits=4)
+    glu.set_dtype(dtype)
+    return glu
+
+
+def routed(tokens: int, dtype: mx.Dtype, rng: np.random.Generator) -> tuple:
+    """A prompt's hidden states and its top-K experts, drawn uniformly."""
+    x = (mx.random.normal((1, tokens, D)) * 0.5).astype(dtype)
+    return x, np.argsort(rng.random((1, tokens, E)), axis=-1)[..., :K]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="512,4096")
@@ -43,15 +58,11 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     a = p.parse_args()
     dtype = getattr(mx, a.dtype)
-    mx.random.seed(0)
-    glu = SwitchGLU(D, F, E)
-    nn.quantize(glu, group_size=64, bits=4)
-    glu.set_dtype(dtype)
+    glu = layer(dtype)
     me = SimpleNamespace(_group_rows=GPU_GROUP_ROWS, _experts=glu)
     rng = np.random.default_rng(0)
     for tokens in [int(t) for t in a.tokens.split(",")]:
-        x = (mx.random.normal((1, tokens, D)) * 0.5).astype(dtype)
-        experts = np.argsort(rng.random((1, tokens, E)), axis=-1)[..., :K]
+        x, experts = routed(tokens, dtype, rng)
         ms, same = measure(me, x, experts, E // a.groups)
         print(
             f"{tokens} tokens ({tokens * K} pairs), {a.dtype}: whole call "
