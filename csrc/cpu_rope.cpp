@@ -91,13 +91,14 @@ void ExactRope::eval_cpu(const std::vector<mx::array>& inputs,
              }
              const int32_t* off = offset.data<int32_t>();
              const bool per_batch = offset.size() > 1;
+             const int64_t off_step = per_batch ? offset.strides()[0] : 0;
              std::vector<float> xt;
              const float* in = row_major(x, xt);
              float* o = out.data<float>();
              std::vector<float> c, s;
              for (int64_t b = 0; b < B; b++) {
                if (b == 0 || per_batch) {
-                 rope_tables(T, off[per_batch ? b : 0], scale, inv, c, s);
+                 rope_tables(T, off[b * off_step], scale, inv, c, s);
                }
                for (int64_t n = 0; n < heads; n++) {
                  for (int64_t t = 0; t < T; t++) {

@@ -158,6 +158,12 @@ def test_rope_per_batch_offsets_frequencies_and_strided_input():
     ours = native._native.exact_rope(x, 64, False, 1e4, 1.0, offsets)
     theirs = mx.fast.rope(x, 64, traditional=False, base=1e4, scale=1.0, offset=offsets)
     assert mx.array_equal(ours, theirs).item()
+    every_other = mx.array([0, 7, 100, 9, 5000, 1], mx.int32)[::2]  # a view
+    ours = native._native.exact_rope(x, 64, False, 1e4, 1.0, every_other)
+    theirs = mx.fast.rope(
+        x, 64, traditional=False, base=1e4, scale=1.0, offset=every_other
+    )
+    assert mx.array_equal(ours, theirs).item()
     freqs = mx.random.uniform(1, 1000, (32,), key=mx.random.key(3))
     ours = native._native.exact_rope(x, 64, False, 0.0, 1.0, offsets[1:2], freqs)
     theirs = mx.fast.rope(
