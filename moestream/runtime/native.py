@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -226,6 +227,17 @@ def tier_filled(tier: object) -> int:
     return _native.tier_filled(tier)
 
 
+def agrees_with_mlx(what: str, pairs: Iterable[tuple[mx.array, mx.array]]) -> bool:
+    """Whether each (ours, MLX's) pair is equal bit for bit, the pairs made
+    one at a time; at the first that is not, a warning that `what` is not
+    used here. Every kernel's first-use check."""
+    for ours, theirs in pairs:
+        if not mx.array_equal(ours, theirs).item():
+            log.warning("the %s differs from MLX's here: not used", what)
+            return False
+    return True
+
+
 @functools.cache
 def kernel_matches_mlx() -> bool:
     """Whether the kernel computes what this MLX computes, bit for bit, on a
@@ -234,22 +246,22 @@ def kernel_matches_mlx() -> bool:
     alone, so seeded sampling still draws what mlx-lm's does)."""
     x = mx.random.normal((8, 1, 1, 64), key=mx.random.key(1))
     inds = mx.array([[1]] * 7 + [[0]], mx.uint32)
-    for bits in (2, 3, 4, 5, 6, 8):
-        weights = []
-        for p in range(3):
-            w = mx.random.normal((2, 64, 64), key=mx.random.key(10 * bits + p))
-            weights += mx.quantize(w, 32, bits)
-        ours = _native.expert_mlp(x, inds, weights, [(bits, 32)] * 3, 1)
-        theirs = _reference_mlp(x, inds, weights, bits)
-        dense = [a[0] for a in weights[:3]]
-        ours_mm = _native.quant_matmul(x, *dense, bits, 32, 1)
-        theirs_mm = mx.quantized_matmul(x, *dense, group_size=32, bits=bits)
-        if not (
-            mx.array_equal(ours, theirs) & mx.array_equal(ours_mm, theirs_mm)
-        ).item():
-            log.warning("the CPU kernel differs from MLX's ops here: not used")
-            return False
-    return True
+
+    def pairs() -> Iterator[tuple[mx.array, mx.array]]:
+        for bits in (2, 3, 4, 5, 6, 8):
+            weights = []
+            for p in range(3):
+                w = mx.random.normal((2, 64, 64), key=mx.random.key(10 * bits + p))
+                weights += mx.quantize(w, 32, bits)
+            ours = _native.expert_mlp(x, inds, weights, [(bits, 32)] * 3, 1)
+            yield ours, _reference_mlp(x, inds, weights, bits)
+            dense = [a[0] for a in weights[:3]]
+            yield (
+                _native.quant_matmul(x, *dense, bits, 32, 1),
+                mx.quantized_matmul(x, *dense, group_size=32, bits=bits),
+            )
+
+    return agrees_with_mlx("CPU kernel", pairs())
 
 
 def _reference_mlp(x: mx.array, inds: mx.array, w: list, bits: int) -> mx.array:
@@ -379,11 +391,8 @@ def norm_matches_mlx() -> bool:
     once; MLX's random state left alone)."""
     x = mx.random.normal((3, 100), key=mx.random.key(4)) * 3
     w = mx.random.normal((100,), key=mx.random.key(5))
-    ours = _native.exact_rms_norm(x, w, 1e-6)
-    if not mx.array_equal(ours, mx.fast.rms_norm(x, w, 1e-6)).item():
-        log.warning("the kernel's RMS norm differs from MLX's here: not used")
-        return False
-    return True
+    pair = (_native.exact_rms_norm(x, w, 1e-6), mx.fast.rms_norm(x, w, 1e-6))
+    return agrees_with_mlx("kernel's RMS norm", [pair])
 
 
 class KernelRoPE(nn.RoPE):
@@ -407,17 +416,18 @@ def rope_matches_mlx() -> bool:
     """Whether the kernel's rope equals this MLX's, bit for bit, both layouts
     (checked once; MLX's random state left alone)."""
     x = mx.random.normal((2, 3, 5, 64), key=mx.random.key(6)) * 3
-    for traditional, offset in ((False, 7), (True, 70000)):
-        ours = _native.exact_rope(
-            x, 48, traditional, 10000.0, 1.0, mx.array([offset], mx.int32)
+    pairs = (
+        (
+            _native.exact_rope(
+                x, 48, traditional, 10000.0, 1.0, mx.array([offset], mx.int32)
+            ),
+            mx.fast.rope(
+                x, 48, traditional=traditional, base=10000.0, scale=1.0, offset=offset
+            ),
         )
-        mlx = mx.fast.rope(
-            x, 48, traditional=traditional, base=10000.0, scale=1.0, offset=offset
-        )
-        if not mx.array_equal(ours, mlx).item():
-            log.warning("the kernel's rope differs from MLX's here: not used")
-            return False
-    return True
+        for traditional, offset in ((False, 7), (True, 70000))
+    )
+    return agrees_with_mlx("kernel's rope", pairs)
 
 
 def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
