@@ -122,9 +122,9 @@ def decode(
     steps (after `context` tokens, in 512-token chunks), or with `prompt`
     tokens, prefills of that many from an empty cache."""
     cache = make_prompt_cache(model)
-    before = [(5 * i + 1) % 8000 + 1 for i in range(context)] + PROMPT
-    for i in range(0, len(before) - len(PROMPT), 512):
-        mx.eval(_step(model, mx.array(before[i : min(i + 512, context)]), cache))
+    history = [(5 * i + 1) % 8000 + 1 for i in range(context)]
+    for i in range(0, context, 512):
+        mx.eval(_step(model, mx.array(history[i : i + 512]), cache))
     logits = _step(model, mx.array(PROMPT), cache)
     token = mx.argmax(logits, axis=-1)
     mx.eval(token)
