@@ -837,11 +837,6 @@ void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,
            });
 }
 
-void ExpertMlp::eval_gpu(const std::vector<mx::array>&,
-                         std::vector<mx::array>&) {
-  throw std::runtime_error("moestream's CPU expert kernel has no GPU version");
-}
-
 bool ExpertMlp::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const ExpertMlp&>(other);
   return specs_ == o.specs_ && threads_ == o.threads_;
@@ -854,11 +849,6 @@ void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
             threads = threads_or_all(threads_)]() mutable {
              expert_mlp_mapped_run(inputs, out, *cache, proj, threads);
            });
-}
-
-void ExpertMlpMapped::eval_gpu(const std::vector<mx::array>&,
-                               std::vector<mx::array>&) {
-  throw std::runtime_error("moestream's mapped expert kernel runs on a CPU only");
 }
 
 static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
@@ -904,11 +894,6 @@ void QuantMatmul::eval_cpu(const std::vector<mx::array>& inputs,
             threads = threads_or_all(threads_)]() mutable {
              quant_matmul_run(inputs, out, spec, threads);
            });
-}
-
-void QuantMatmul::eval_gpu(const std::vector<mx::array>&,
-                           std::vector<mx::array>&) {
-  throw std::runtime_error("moestream's CPU matmul kernel has no GPU version");
 }
 
 bool QuantMatmul::is_equivalent(const mx::Primitive& other) const {

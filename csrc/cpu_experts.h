@@ -21,6 +21,8 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "cpu_kernel.h"
+
 namespace mx = mlx::core;
 
 namespace moestream {
@@ -163,14 +165,12 @@ inline const float* row_major(const mx::array& a, std::vector<float>& tmp) {
 // SwitchGLU with SwiGLU on slots: out[t, j] = down(silu(gate(x_t)) * up(x_t))
 // with the experts of slot inds[t, j]. Inputs: x `[T, D]`, inds `[T, k]`,
 // then gate, up, down (weight, scales, biases) each. Output `[T, k, D]`.
-class ExpertMlp : public mx::Primitive {
+class ExpertMlp : public CpuKernel {
  public:
   ExpertMlp(mx::Stream s, std::vector<QuantSpec> specs, int threads)
-      : mx::Primitive(s), specs_(std::move(specs)), threads_(threads) {}
+      : CpuKernel(s), specs_(std::move(specs)), threads_(threads) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&,
-                std::vector<mx::array>&) override;
   const char* name() const override {
     return "ExpertMlp";
   }
@@ -183,14 +183,12 @@ class ExpertMlp : public mx::Primitive {
 
 // x `[..., K]` @ dequantized(w `[N, K * bits / 32]`).T: mx.quantized_matmul
 // with transpose=True, exactly.
-class QuantMatmul : public mx::Primitive {
+class QuantMatmul : public CpuKernel {
  public:
   QuantMatmul(mx::Stream s, QuantSpec spec, int threads)
-      : mx::Primitive(s), spec_(spec), threads_(threads) {}
+      : CpuKernel(s), spec_(spec), threads_(threads) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&,
-                std::vector<mx::array>&) override;
   const char* name() const override {
     return "QuantMatmul";
   }
@@ -205,18 +203,16 @@ class QuantMatmul : public mx::Primitive {
 // expert ids `[T, k]` (a mapped cache's fetch), each expert's gate, up and
 // down read from the cache's mapping of its blob. The pairs whose records
 // the fetch left being read (or checked) run last, once those reads end.
-class ExpertMlpMapped : public mx::Primitive {
+class ExpertMlpMapped : public CpuKernel {
  public:
   ExpertMlpMapped(mx::Stream s, std::shared_ptr<ExpertCache> cache,
                   std::vector<MappedProjection> projections, int threads)
-      : mx::Primitive(s),
+      : CpuKernel(s),
         cache_(std::move(cache)),
         projections_(std::move(projections)),
         threads_(threads) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&,
-                std::vector<mx::array>&) override;
   const char* name() const override {
     return "ExpertMlpMapped";
   }

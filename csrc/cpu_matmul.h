@@ -9,20 +9,20 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
+#include "cpu_kernel.h"
+
 namespace mx = mlx::core;
 
 namespace moestream {
 
 // a `[batch, M, K]` @ b `[batch, K, N]` (or b `[batch, N, K]` where
 // transpose_b), float32, row-contiguous inputs.
-class ExactMatmul : public mx::Primitive {
+class ExactMatmul : public CpuKernel {
  public:
   ExactMatmul(mx::Stream s, bool transpose_b, int threads)
-      : mx::Primitive(s), transpose_b_(transpose_b), threads_(threads) {}
+      : CpuKernel(s), transpose_b_(transpose_b), threads_(threads) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&,
-                std::vector<mx::array>&) override;
   const char* name() const override {
     return "ExactMatmul";
   }

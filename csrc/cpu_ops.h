@@ -10,18 +10,18 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
+#include "cpu_kernel.h"
+
 namespace mx = mlx::core;
 
 namespace moestream {
 
 // x `[..., D]` float32 normalized over D and times w `[D]`.
-class ExactRmsNorm : public mx::Primitive {
+class ExactRmsNorm : public CpuKernel {
  public:
-  ExactRmsNorm(mx::Stream s, float eps) : mx::Primitive(s), eps_(eps) {}
+  ExactRmsNorm(mx::Stream s, float eps) : CpuKernel(s), eps_(eps) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&,
-                std::vector<mx::array>&) override;
   const char* name() const override {
     return "ExactRmsNorm";
   }
@@ -35,13 +35,11 @@ class ExactRmsNorm : public mx::Primitive {
 mx::array exact_rms_norm(const mx::array& x, const mx::array& w, float eps);
 
 // Softmax of float32 x `[..., M]` over its last axis.
-class ExactSoftmax : public mx::Primitive {
+class ExactSoftmax : public CpuKernel {
  public:
-  ExactSoftmax(mx::Stream s, int threads) : mx::Primitive(s), threads_(threads) {}
+  ExactSoftmax(mx::Stream s, int threads) : CpuKernel(s), threads_(threads) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&,
-                std::vector<mx::array>&) override;
   const char* name() const override {
     return "ExactSoftmax";
   }

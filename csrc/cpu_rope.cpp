@@ -111,11 +111,6 @@ void ExactRope::eval_cpu(const std::vector<mx::array>& inputs,
            });
 }
 
-void ExactRope::eval_gpu(const std::vector<mx::array>&,
-                         std::vector<mx::array>&) {
-  throw std::runtime_error("moestream's CPU rope has no GPU version");
-}
-
 bool ExactRope::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const ExactRope&>(other).spec_;
   return spec_.dims == o.dims && spec_.traditional == o.traditional &&

@@ -9,6 +9,8 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
+#include "cpu_kernel.h"
+
 namespace mx = mlx::core;
 
 namespace moestream {
@@ -25,13 +27,11 @@ struct RopeSpec {
 
 // x `[B, N, T, D]` (or `[B, T, D]`) float32 with its first `dims` features
 // rotated by position offset + t (offset `[1]` or `[B]` int32).
-class ExactRope : public mx::Primitive {
+class ExactRope : public CpuKernel {
  public:
-  ExactRope(mx::Stream s, RopeSpec spec) : mx::Primitive(s), spec_(spec) {}
+  ExactRope(mx::Stream s, RopeSpec spec) : CpuKernel(s), spec_(spec) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>&,
-                std::vector<mx::array>&) override;
   const char* name() const override {
     return "ExactRope";
   }
