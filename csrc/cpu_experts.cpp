@@ -2,14 +2,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <utility>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -418,6 +420,78 @@ inline float swiglu(float gate, float up) {
   return (gate * sig) * up;
 }
 
+inline VF floor_lanes(VF x) {
+#if defined(__AVX512F__)
+  return VF(_mm512_roundscale_ps(__m512(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#elif defined(__AVX2__)
+  return VF(_mm256_floor_ps(__m256(x)));
+#else
+  for (int j = 0; j < kLanes; j++) {
+    x[j] = std::floor(x[j]);
+  }
+  return x;
+#endif
+}
+
+// a * b + c with one rounding, as std::fma.
+inline VF fma_lanes(VF a, VF b, VF c) {
+#if defined(__AVX512F__)
+  return VF(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  return VF(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
+#else
+  for (int j = 0; j < kLanes; j++) {
+    a[j] = std::fma(a[j], b[j], c[j]);
+  }
+  return a;
+#endif
+}
+
+// MLX's simd::exp (mlx/backend/cpu/simd/math.h) in every lane, operation
+// for operation. Its floor(x + 0.5) is taken in double there, so exact: here
+// floor(x), plus one where x - floor(x) (exact) is at least a half.
+inline VF exp_lanes(VF in) {
+  VF x = in * 1.442695f;
+  VF f = floor_lanes(x);
+  VF ipart = x - f >= 0.5f ? f + 1.0f : f;
+  VF fpart = x - ipart;
+  VF p = VF{} + 1.535336188319500e-4f;
+  p = fma_lanes(p, fpart, VF{} + 1.339887440266574e-3f);
+  p = fma_lanes(p, fpart, VF{} + 9.618437357674640e-3f);
+  p = fma_lanes(p, fpart, VF{} + 5.550332471162809e-2f);
+  p = fma_lanes(p, fpart, VF{} + 2.402264791363012e-1f);
+  p = fma_lanes(p, fpart, VF{} + 6.931472028550421e-1f);
+  p = fma_lanes(p, fpart, VF{} + 1.000000000000000f);
+  VI epart = (__builtin_convertvector(ipart, VI) + 127) << 23;
+  VF two;
+  std::memcpy(&two, &epart, sizeof two);
+  VF out = in != in ? in : two * p;
+  out = in > 88.0f ? VF{} + std::numeric_limits<float>::infinity() : out;
+  return in < -88.0f ? VF{} : out;
+}
+
+// h[i] = swiglu(gate[i], up[i]) for i < n: MLX's sigmoid, lanes at a time.
+inline void swiglu_n(const float* gate, const float* up, float* h, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    VF g, u;
+    std::memcpy(&g, gate + i, sizeof g);
+    std::memcpy(&u, up + i, sizeof u);
+    VI bits;
+    std::memcpy(&bits, &g, sizeof bits);
+    bits &= 0x7fffffff; // |g|, as std::abs
+    VF a;
+    std::memcpy(&a, &bits, sizeof a);
+    VF y = 1.0f / (1.0f + exp_lanes(a));
+    VF sig = g < 0.0f ? y : 1.0f - y;
+    VF out = (g * sig) * u;
+    std::memcpy(h + i, &out, sizeof out);
+  }
+  for (; i < n; i++) {
+    h[i] = swiglu(gate[i], up[i]);
+  }
+}
+
 constexpr int64_t kBlock = 64; // rows of one task
 
 void check_spec(QuantSpec s, int64_t cols) {
@@ -442,6 +516,7 @@ constexpr int kPanelVecs = 2; // 8 sums and 2 weights of 16 registers
 #endif
 constexpr int kPanel = kPanelVecs * kLanes; // rows of one panel
 constexpr int kChunk = 64;                  // k values dequantized at once
+constexpr int kPrefetchChunks = 4;          // how far ahead words are asked for
 constexpr int kTile = 4;                    // tokens whose sums stay in registers
 constexpr int64_t kTokenBlock = 256;        // tokens of one task, at most
 // Tokens on one matrix from which dequantizing once beats the fused rows.
@@ -457,6 +532,63 @@ inline void store_vf(float* p, VF v) {
   std::memcpy(p, &v, sizeof v);
 }
 
+// w[i] (lane j) = row[j][i] for i in [0, n): each row's words read four at a
+// time (a masked load past n) and turned in registers, four rows a vector.
+inline void load_words(const uint32_t* const row[kLanes], int n, VU* w) {
+  for (int i = 0; i < n; i += 4) {
+    int left = std::min(4, n - i);
+#if defined(__AVX512F__)
+    __mmask8 keep = __mmask8((1u << left) - 1);
+    __m512i z[4]; // z[r], 128-bit lane l: words i.. of row 4 l + r
+    for (int r = 0; r < 4; r++) {
+      z[r] = _mm512_castsi128_si512(_mm_maskz_loadu_epi32(keep, row[r] + i));
+      z[r] = _mm512_inserti32x4(
+          z[r], _mm_maskz_loadu_epi32(keep, row[4 + r] + i), 1);
+      z[r] = _mm512_inserti32x4(
+          z[r], _mm_maskz_loadu_epi32(keep, row[8 + r] + i), 2);
+      z[r] = _mm512_inserti32x4(
+          z[r], _mm_maskz_loadu_epi32(keep, row[12 + r] + i), 3);
+    }
+    __m512i lo01 = _mm512_unpacklo_epi32(z[0], z[1]);
+    __m512i hi01 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i lo23 = _mm512_unpacklo_epi32(z[2], z[3]);
+    __m512i hi23 = _mm512_unpackhi_epi32(z[2], z[3]);
+    __m512i t[4] = {_mm512_unpacklo_epi64(lo01, lo23),
+                    _mm512_unpackhi_epi64(lo01, lo23),
+                    _mm512_unpacklo_epi64(hi01, hi23),
+                    _mm512_unpackhi_epi64(hi01, hi23)};
+#elif defined(__AVX2__)
+    __m128i keep = _mm_cmpgt_epi32(_mm_set1_epi32(left), _mm_setr_epi32(0, 1, 2, 3));
+    __m256i z[4]; // z[r], 128-bit lane l: words i.. of row 4 l + r
+    for (int r = 0; r < 4; r++) {
+      z[r] = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_maskload_epi32(
+              reinterpret_cast<const int*>(row[r] + i), keep)),
+          _mm_maskload_epi32(reinterpret_cast<const int*>(row[4 + r] + i), keep),
+          1);
+    }
+    __m256i lo01 = _mm256_unpacklo_epi32(z[0], z[1]);
+    __m256i hi01 = _mm256_unpackhi_epi32(z[0], z[1]);
+    __m256i lo23 = _mm256_unpacklo_epi32(z[2], z[3]);
+    __m256i hi23 = _mm256_unpackhi_epi32(z[2], z[3]);
+    __m256i t[4] = {_mm256_unpacklo_epi64(lo01, lo23),
+                    _mm256_unpackhi_epi64(lo01, lo23),
+                    _mm256_unpacklo_epi64(hi01, hi23),
+                    _mm256_unpackhi_epi64(hi01, hi23)};
+#else
+    VU t[4];
+    for (int q = 0; q < left; q++) {
+      for (int j = 0; j < kLanes; j++) {
+        t[q][j] = row[j][i + q];
+      }
+    }
+#endif
+    for (int q = 0; q < left; q++) {
+      std::memcpy(&w[i + q], &t[q], sizeof(VU));
+    }
+  }
+}
+
 // dq[k - k0][j] = scale * q + bias of row r0 + j at k, for k in [k0, k0 + kc)
 // (rows past the end repeat the last row).
 template <int bits, ScaleFormat F>
@@ -468,10 +600,18 @@ void dequant_chunk(const Matrix& m, int64_t r0, int64_t k0, int kc, float* dq) {
     const uint8_t *sc[kLanes], *bi[kLanes];
     for (int j = 0; j < kLanes; j++) {
       int64_t r = std::min(r0 + v * kLanes + j, m.rows - 1);
-      row[j] = reinterpret_cast<const uint32_t*>(m.w + r * m.row_bytes);
+      row[j] = reinterpret_cast<const uint32_t*>(m.w + r * m.row_bytes) +
+               k0 / 32 * bits;
       sc[j] = m.scales + r * m.groups * size;
       bi[j] = m.biases + r * m.groups * size;
     }
+    // Sixty-four rows are more streams than the hardware prefetcher
+    // follows: ask for the words two chunks ahead.
+    for (int j = 0; j < kLanes; j++) {
+      __builtin_prefetch(row[j] + kPrefetchChunks * kChunk / 32 * bits);
+    }
+    VU words[kChunk / 32 * bits];
+    load_words(row, kc / 32 * bits, words);
     VF s = {}, b = {};
     int64_t last = -1;
     for (int64_t k = k0; k < k0 + kc; k += 32) {
@@ -482,12 +622,7 @@ void dequant_chunk(const Matrix& m, int64_t r0, int64_t k0, int kc, float* dq) {
         }
         last = g;
       }
-      VU w[bits];
-      for (int i = 0; i < bits; i++) {
-        for (int j = 0; j < kLanes; j++) {
-          w[i][j] = row[j][k / 32 * bits + i];
-        }
-      }
+      const VU* w = words + (k - k0) / 32 * bits;
       float* out = dq + (k - k0) * kPanel + v * kLanes;
       [&]<int... I>(std::integer_sequence<int, I...>) {
         ((*reinterpret_cast<VF*>(out + I * kPanel) =
@@ -624,9 +759,7 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
     float* gp = g + i * hidden;
     matvec(mat(0, pair), fn[0].rows, r0, r1, xt, gp);
     matvec(mat(1, pair), fn[1].rows, r0, r1, xt, hp);
-    for (int64_t r = r0; r < r1; r++) {
-      hp[r] = swiglu(gp[r], hp[r]);
-    }
+    swiglu_n(gp + r0, hp + r0, hp + r0, r1 - r0);
   });
   int64_t db = (d_out + kBlock - 1) / kBlock;
   parallel_for(int(pairs * db), threads, [&](int task) {
@@ -707,9 +840,7 @@ static void run_groups(const float* x, const Groups& gr, int64_t k,
     int64_t rows = std::min<int64_t>(kPanel, hidden - t.r0);
     for (int64_t i = 0; i < t.n; i++) {
       float* hp = h + (at + i) * hidden + t.r0;
-      for (int64_t j = 0; j < rows; j++) {
-        hp[j] = swiglu(ag[i * kPanel + j], au[i * kPanel + j]);
-      }
+      swiglu_n(ag.data() + i * kPanel, au.data() + i * kPanel, hp, rows);
     }
   });
   auto down = panel_tasks(gr, d_out);
