@@ -21,26 +21,14 @@
 #include "mlx/ops.h"
 
 #include "cast.h"
+#include "cpu_simd.h"
 #include "expert_cache.h"
 
 namespace moestream {
 
 namespace {
 
-// One output row's running sum in each lane: sixteen where the CPU has
-// AVX-512 (one vector of its 32 registers), eight elsewhere (one AVX2
-// vector: sixteen would be two of its 16 registers each and spill). Each
-// lane's arithmetic is the same either way. Built with -ffp-contract=off
-// (CMakeLists.txt): a multiply and an add stay two roundings, as in MLX's
-// scalar loop.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-using VF = float __attribute__((vector_size(4 * kLanes)));
-using VU = uint32_t __attribute__((vector_size(4 * kLanes)));
-using VI = int32_t __attribute__((vector_size(4 * kLanes)));
+// One output row's running sum in each lane (cpu_simd.h).
 constexpr int kRows = 2 * kLanes; // of one rows_block call
 
 // Threads that wait for work; the caller takes tasks too.
@@ -418,56 +406,6 @@ Matrix matrix(const mx::array& w, const mx::array& s, const mx::array& b,
 inline float swiglu(float gate, float up) {
   auto sig = mx::detail::Sigmoid{}(mx::simd::Simd<float, 1>(gate)).value;
   return (gate * sig) * up;
-}
-
-inline VF floor_lanes(VF x) {
-#if defined(__AVX512F__)
-  return VF(_mm512_roundscale_ps(__m512(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-#elif defined(__AVX2__)
-  return VF(_mm256_floor_ps(__m256(x)));
-#else
-  for (int j = 0; j < kLanes; j++) {
-    x[j] = std::floor(x[j]);
-  }
-  return x;
-#endif
-}
-
-// a * b + c with one rounding, as std::fma.
-inline VF fma_lanes(VF a, VF b, VF c) {
-#if defined(__AVX512F__)
-  return VF(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
-#elif defined(__AVX2__) && defined(__FMA__)
-  return VF(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
-#else
-  for (int j = 0; j < kLanes; j++) {
-    a[j] = std::fma(a[j], b[j], c[j]);
-  }
-  return a;
-#endif
-}
-
-// MLX's simd::exp (mlx/backend/cpu/simd/math.h) in every lane, operation
-// for operation. Its floor(x + 0.5) is taken in double there, so exact: here
-// floor(x), plus one where x - floor(x) (exact) is at least a half.
-inline VF exp_lanes(VF in) {
-  VF x = in * 1.442695f;
-  VF f = floor_lanes(x);
-  VF ipart = x - f >= 0.5f ? f + 1.0f : f;
-  VF fpart = x - ipart;
-  VF p = VF{} + 1.535336188319500e-4f;
-  p = fma_lanes(p, fpart, VF{} + 1.339887440266574e-3f);
-  p = fma_lanes(p, fpart, VF{} + 9.618437357674640e-3f);
-  p = fma_lanes(p, fpart, VF{} + 5.550332471162809e-2f);
-  p = fma_lanes(p, fpart, VF{} + 2.402264791363012e-1f);
-  p = fma_lanes(p, fpart, VF{} + 6.931472028550421e-1f);
-  p = fma_lanes(p, fpart, VF{} + 1.000000000000000f);
-  VI epart = (__builtin_convertvector(ipart, VI) + 127) << 23;
-  VF two;
-  std::memcpy(&two, &epart, sizeof two);
-  VF out = in != in ? in : two * p;
-  out = in > 88.0f ? VF{} + std::numeric_limits<float>::infinity() : out;
-  return in < -88.0f ? VF{} : out;
 }
 
 // h[i] = swiglu(gate[i], up[i]) for i < n: MLX's sigmoid, lanes at a time.

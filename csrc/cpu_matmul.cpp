@@ -8,6 +8,7 @@
 #include "mlx/ops.h"
 
 #include "cpu_experts.h"
+#include "cpu_simd.h"
 
 namespace moestream {
 
@@ -16,13 +17,10 @@ namespace {
 // Built with -ffp-contract=off (CMakeLists.txt): each product and each sum
 // rounds on its own, as in the reference BLAS.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kVecs = 4; // 4 rows x 4 vectors of sums: 16 of 32 registers
 #else
-constexpr int kLanes = 8;
 constexpr int kVecs = 2; // 4 rows x 2 vectors: 8 of AVX2's 16 registers
 #endif
-using VF = float __attribute__((vector_size(4 * kLanes)));
 constexpr int kRowsTile = 4;
 constexpr int64_t kRowsTask = 16; // rows of a task
 

@@ -14,6 +14,7 @@
 #include "mlx/ops.h"
 
 #include "cpu_experts.h"
+#include "cpu_simd.h"
 
 namespace moestream {
 
@@ -41,52 +42,8 @@ void rows(const float* x, const float* w, float* out, int64_t n, int64_t d,
   }
 }
 
-// MLX's CPU exp (mlx/backend/cpu/simd/math.h), lane by lane: x * log2(e);
-// its integer part floor(x + 0.5) taken in double (MLX adds the double 0.5 to
-// a float); a polynomial of fused multiply-adds in the fraction; times 2 to
-// that integer; NaN kept, above 88 infinity, below -88 zero.
 #if defined(__AVX512F__)
 constexpr int kWide = 16;
-using VFw = __m512;
-inline VFw exp_lanes(VFw in) {
-  __m512 x = _mm512_mul_ps(in, _mm512_set1_ps(1.442695f));
-  __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-  __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
-  const __m512d half = _mm512_set1_pd(0.5);
-  lo = _mm512_roundscale_pd(_mm512_add_pd(lo, half), _MM_FROUND_TO_NEG_INF);
-  hi = _mm512_roundscale_pd(_mm512_add_pd(hi, half), _MM_FROUND_TO_NEG_INF);
-  __m512 ipart = _mm512_insertf32x8(
-      _mm512_castps256_ps512(_mm512_cvtpd_ps(lo)), _mm512_cvtpd_ps(hi), 1);
-  __m512 f = _mm512_sub_ps(x, ipart);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000000000000f));
-  __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvttps_epi32(ipart), _mm512_set1_epi32(127)), 23);
-  __m512 r = _mm512_mul_ps(_mm512_castsi512_ps(e), p);
-  __mmask16 nan = _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_ps(r, nan, in);
-  r = _mm512_mask_mov_ps(
-      r, _mm512_cmp_ps_mask(in, _mm512_set1_ps(88.0f), _CMP_GT_OQ),
-      _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-  r = _mm512_mask_mov_ps(
-      r, _mm512_cmp_ps_mask(in, _mm512_set1_ps(-88.0f), _CMP_LT_OQ),
-      _mm512_setzero_ps());
-  return r;
-}
-inline VFw load_w(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-inline void store_w(float* p, VFw v) {
-  _mm512_storeu_ps(p, v);
-}
-inline VFw sub_w(VFw a, float b) {
-  return _mm512_sub_ps(a, _mm512_set1_ps(b));
-}
 #endif
 
 // One lane of MLX's exp: its own code, on its one-lane Simd.
@@ -125,14 +82,15 @@ inline float row_max(const float* in, int64_t m) {
   return top;
 }
 
-// exp(in - top) into o, sixteen lanes at a time where the CPU has them.
+// exp(in - top) into o, a vector at a time.
 inline void row_exp(const float* in, float top, float* o, int64_t m) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + kWide <= m; i += kWide) {
-    store_w(o + i, exp_lanes(sub_w(load_w(in + i), top)));
+  for (; i + kLanes <= m; i += kLanes) {
+    VF v;
+    std::memcpy(&v, in + i, sizeof v);
+    v = exp_lanes(v - top);
+    std::memcpy(o + i, &v, sizeof v);
   }
-#endif
   for (; i < m; i++) {
     o[i] = exp_one(in[i] - top);
   }

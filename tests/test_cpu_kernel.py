@@ -94,6 +94,27 @@ def test_prefill_token_counts_equal_switch_glu(tokens):
         assert mx.array_equal(_kernel(glu, x, inds, threads), theirs).item()
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 40])
+def test_swiglu_far_tails_equal_switch_glu(tokens):
+    """Gates far past exp's cut-offs (|gate| > 88: infinity and zero) and
+    near them, on the fused rows and on the panels: the kernel's vector
+    sigmoid is MLX's, value for value. The down projection is an identity,
+    so each hidden value (however small) reaches the output."""
+    mx.random.seed(tokens + 17)
+    glu = _switch(128, 128, 4, [(4, 32)] * 3)
+    eye = mx.broadcast_to(mx.eye(128), (4, 128, 128))
+    down = glu.down_proj
+    down.weight, down.scales, down.biases = mx.quantize(eye, 32, 4)
+    x = mx.random.normal((tokens, 128)) * mx.linspace(1, 400, tokens * 128).reshape(
+        tokens, 128
+    )
+    inds = mx.random.randint(0, 4, (tokens, 2)).astype(mx.uint32)
+    gate = glu.gate_proj(x[:, None, None, :], inds)
+    assert ((gate < -80) & (gate > -88)).any().item() and (gate > 88).any().item()
+    ours, theirs = _kernel(glu, x, inds), glu(x, inds)
+    assert mx.array_equal(ours, theirs).item()
+
+
 @pytest.mark.parametrize("tokens", [2, 3, 5, 255, 257, 4096])
 @pytest.mark.parametrize("bits", [3, 4])
 def test_quant_matmul_many_tokens(tokens, bits):
