@@ -307,13 +307,14 @@ NB_MODULE(_native, m) {
   m.def(
       "exact_matmul",
       [](const mlx::core::array& a, const mlx::core::array& b, bool transpose_b,
-         int threads) {
-        return moestream::exact_matmul(a, b, transpose_b, threads);
+         int threads, int64_t causal) {
+        return moestream::exact_matmul(a, b, transpose_b, threads, causal);
       },
-      "a"_a, "b"_a, "transpose_b"_a = false, "threads"_a = 0,
+      "a"_a, "b"_a, "transpose_b"_a = false, "threads"_a = 0, "causal"_a = 0,
       "mx.matmul(a, b) of float32 [batch, M, K] @ [batch, K, N] ([batch, N, K] "
       "read transposed where transpose_b) on the CPU, bit for bit, over "
-      "`threads` threads (0: every core).");
+      "`threads` threads (0: every core). causal = q_len: q @ k.T under sdpa's "
+      "causal mask (float32's lowest past each query's key).");
   m.def(
       "exact_rms_norm",
       [](const mlx::core::array& x, const mlx::core::array& w, float eps) {

@@ -1,6 +1,8 @@
 #include "cpu_matmul.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -22,7 +24,7 @@ constexpr int kVecs = 4; // 4 rows x 4 vectors of sums: 16 of 32 registers
 constexpr int kVecs = 2; // 4 rows x 2 vectors: 8 of AVX2's 16 registers
 #endif
 constexpr int kRowsTile = 4;
-constexpr int64_t kRowsTask = 16; // rows of a task
+constexpr int64_t kRowsTask = 64; // rows of a task
 
 inline VF load(const float* p) {
   VF v;
@@ -80,9 +82,18 @@ TileFn tile_fn(int mr, int nv) {
   }
 }
 
+constexpr int64_t kBlockCols = kVecs * kLanes; // columns of one tile
+
+// Where b's (k, j) lies once packed: blocks of kBlockCols columns one after
+// another, each `[K, kBlockCols]` (a tile's columns contiguous: rows of a
+// plain `[K, np]` lie a power of two apart and share one set of the L1 cache).
+inline int64_t packed_at(int64_t k, int64_t j, int64_t K) {
+  return j / kBlockCols * K * kBlockCols + k * kBlockCols + j % kBlockCols;
+}
+
 // One batch of b, `[K, N]` (or `[N, K]` where transposed) at row stride
-// `rs` and column stride `cs` (a view of a cache reads in place), as
-// `[K, np]`, np a whole number of vectors, the columns past N zero.
+// `rs` and column stride `cs` (a view of a cache reads in place), packed
+// (packed_at), np columns a whole number of vectors, those past N zero.
 void pack(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
           int64_t np, bool transposed, float* bp) {
 #if defined(__AVX512F__)
@@ -98,7 +109,7 @@ void pack(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
         }
         transpose16(r);
         for (int64_t k = 0; k < nk; k++) {
-          _mm512_storeu_si512(bp + (k0 + k) * np + j0, r[k]);
+          _mm512_storeu_si512(bp + packed_at(k0 + k, j0, K), r[k]);
         }
       }
     }
@@ -106,41 +117,127 @@ void pack(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
   }
 #endif
   for (int64_t k = 0; k < K; k++) {
-    float* row = bp + k * np;
-    if (transposed) {
-      for (int64_t j = 0; j < N; j++) {
-        row[j] = b[j * rs + k * cs];
+    for (int64_t j = 0; j < np; j++) {
+      float v = 0.0f;
+      if (j < N) {
+        v = transposed ? b[j * rs + k * cs] : b[k * rs + j * cs];
       }
-    } else if (cs == 1) {
-      std::memcpy(row, b + k * rs, N * sizeof(float));
-    } else {
-      for (int64_t j = 0; j < N; j++) {
-        row[j] = b[k * rs + j * cs];
-      }
+      bp[packed_at(k, j, K)] = v;
     }
-    std::fill(row + N, row + np, 0.0f);
   }
 }
 
-// Rows [i0, i1) of one batch's product into out (`[M, N]`); bp's rows are
-// `ldb` apart, np columns each (whole vectors).
-void rows(const float* a, int64_t K, const float* bp, int64_t ldb, int64_t N,
-          int64_t np, int64_t i0, int64_t i1, float* out) {
-  std::vector<float> buf(kRowsTile * np);
-  for (int64_t i = i0; i < i1; i += kRowsTile) {
+// How many of a row's first values count: past the last nonzero, a product
+// with a finite b is a zero whose sum leaves the total as it is (it starts
+// at +0 and never becomes -0). Softmax rows under a causal mask end in
+// zeros.
+inline int64_t until_zeros(const float* a, int64_t K) {
+  int64_t k = K;
+#if defined(__AVX512F__)
+  while (k >= 16) {
+    __mmask16 nz = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + k - 16),
+                                      _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (nz) {
+      return k - 16 + (32 - __builtin_clz(uint32_t(nz)));
+    }
+    k -= 16;
+  }
+#endif
+  while (k > 0 && a[k - 1] == 0.0f) {
+    k--;
+  }
+  return k;
+}
+
+inline bool all_finite(const float* b, int64_t rs, int64_t cs, int64_t K,
+                       int64_t N) {
+  for (int64_t k = 0; k < K; k++) {
+    for (int64_t j = 0; j < N; j++) {
+      if (!std::isfinite(b[k * rs + j * cs])) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Row m's causal limit: with `causal` (q_len) rows a query block, row m is
+// query m % causal of the last `causal` of N keys and sees keys up to it.
+inline int64_t causal_limit(int64_t m, int64_t causal, int64_t N) {
+  return N - causal + m % causal;
+}
+
+// One batch's product: a `[M, K]`; b at column 0 (packed, or its own rows
+// `ldb` apart); with `causal` (the query rows of masked scores) the columns
+// past a row's causal limit are not computed but set to the mask's value;
+// with `zeros` a's rows' trailing zeros are skipped.
+struct Product {
+  const float* a;
+  const float* b;
+  int64_t K, N, np, ldb, causal;
+  bool packed, zeros;
+};
+
+// The mask's value: MLX's sdpa puts float32's lowest where a query must not
+// see a key.
+constexpr float kMasked = -std::numeric_limits<float>::max();
+
+// Rows [i0, i1) of one batch's product into out (`[M, N]`): a column block
+// of b (L1's worth) at a time, under every tile of rows; written in place
+// where N is whole vectors.
+void rows(const Product& p, int64_t i0, int64_t i1, float* out) {
+  const bool in_place = p.np == p.N;
+  std::vector<float> buf(in_place ? 0 : (i1 - i0) * p.np);
+  float* c = in_place ? out + i0 * p.N : buf.data();
+  const int64_t ldc = in_place ? p.N : p.np;
+  const int tiles = int((i1 - i0 + kRowsTile - 1) / kRowsTile);
+  std::vector<int64_t> cols(tiles, p.np), kend(tiles, p.K);
+  int64_t widest = p.causal ? 0 : p.np;
+  for (int t = 0; t < tiles; t++) {
+    int64_t i = i0 + t * kRowsTile;
     int mr = int(std::min<int64_t>(kRowsTile, i1 - i));
-    for (int64_t j = 0; j < np; j += kVecs * kLanes) {
-      int nv = int(std::min<int64_t>(kVecs, (np - j) / kLanes));
-      tile_fn(mr, nv)(a + i * K, K, bp + j, ldb, K, buf.data() + j, np);
+    if (p.causal) {
+      int64_t top = 0;
+      for (int r = 0; r < mr; r++) {
+        top = std::max(top, causal_limit(i + r, p.causal, p.N));
+      }
+      cols[t] = std::min(p.np, (top + kLanes) / kLanes * kLanes);
+      widest = std::max(widest, cols[t]);
     }
-    for (int r = 0; r < mr; r++) {
-      std::memcpy(out + (i + r) * N, buf.data() + r * np, N * sizeof(float));
+    if (p.zeros) {
+      kend[t] = 0;
+      for (int r = 0; r < mr; r++) {
+        kend[t] = std::max(kend[t], until_zeros(p.a + (i + r) * p.K, p.K));
+      }
     }
+  }
+  for (int64_t j = 0; j < widest; j += kBlockCols) {
+    const float* bj = p.packed ? p.b + j / kBlockCols * p.K * kBlockCols : p.b + j;
+    const int64_t ldb = p.packed ? kBlockCols : p.ldb;
+    for (int t = 0; t < tiles; t++) {
+      if (j >= cols[t]) {
+        continue;
+      }
+      int64_t i = i0 + t * kRowsTile;
+      int mr = int(std::min<int64_t>(kRowsTile, i1 - i));
+      int nv = int(std::min<int64_t>(kVecs, (cols[t] - j) / kLanes));
+      tile_fn(mr, nv)(p.a + i * p.K, p.K, bj, ldb, kend[t], c + (i - i0) * ldc + j,
+                      ldc);
+    }
+  }
+  for (int64_t i = i0; i < i1; i++) {
+    int64_t seen =
+        p.causal ? std::min(p.N, causal_limit(i, p.causal, p.N) + 1) : p.N;
+    float* o = out + i * p.N;
+    if (!in_place) {
+      std::memcpy(o, buf.data() + (i - i0) * p.np, seen * sizeof(float));
+    }
+    std::fill(o + seen, o + p.N, kMasked);
   }
 }
 
 void run(const mx::array& a, const mx::array& b, mx::array& out,
-         bool transposed, int threads) {
+         bool transposed, int64_t causal, int threads) {
   int64_t batch = a.shape(0), M = a.shape(1), K = a.shape(2);
   int64_t N = transposed ? b.shape(1) : b.shape(2);
   int64_t np = (N + kLanes - 1) / kLanes * kLanes;
@@ -152,21 +249,27 @@ void run(const mx::array& a, const mx::array& b, mx::array& out,
   // b's rows as they are where they already are whole vectors of columns
   // (a cache's values), else packed.
   const bool direct = !transposed && bs[2] == 1 && N % kLanes == 0;
+  // packed: whole blocks of kBlockCols columns, the last one's tail unused
+  const int64_t per = K * ((np + kBlockCols - 1) / kBlockCols * kBlockCols);
   std::vector<float> packed_spill;
   float* packed =
-      direct ? nullptr : scratch(Scratch::MatmulPacked, batch * K * np, packed_spill);
-  if (!direct) {
-    parallel_for(int(batch), threads, [&](int n) {
-      pack(bq + n * bs[0], bs[1], bs[2], K, N, np, transposed,
-           packed + n * K * np);
-    });
-  }
+      direct ? nullptr : scratch(Scratch::MatmulPacked, batch * per, packed_spill);
+  std::vector<char> finite(batch, 0);
+  parallel_for(int(batch), threads, [&](int n) {
+    const float* bn = bq + n * bs[0];
+    if (!direct) {
+      pack(bn, bs[1], bs[2], K, N, np, transposed, packed + n * per);
+    }
+    if (!transposed) { // trailing zeros of a skipped only against a finite b
+      finite[n] = all_finite(bn, bs[1], bs[2], K, N);
+    }
+  });
   int64_t blocks = (M + kRowsTask - 1) / kRowsTask;
   parallel_for(int(batch * blocks), threads, [&](int task) {
     int64_t n = task / blocks, i0 = task % blocks * kRowsTask;
-    const float* bn = direct ? bq + n * bs[0] : packed + n * K * np;
-    rows(ap + n * M * K, K, bn, direct ? bs[1] : np, N, np, i0,
-         std::min(M, i0 + kRowsTask), op + n * M * N);
+    Product p{ap + n * M * K, direct ? bq + n * bs[0] : packed + n * per,
+              K, N, np, direct ? bs[1] : np, causal, !direct, bool(finite[n])};
+    rows(p, i0, std::min(M, i0 + kRowsTask), op + n * M * N);
   });
 }
 
@@ -176,18 +279,19 @@ void ExactMatmul::eval_cpu(const std::vector<mx::array>& inputs,
                            std::vector<mx::array>& outputs) {
   dispatch(stream(), inputs, outputs[0],
            [a = inputs[0], b = inputs[1], out = outputs[0], t = transpose_b_,
-            threads = threads_or_all(threads_)]() mutable {
-             run(a, b, out, t, threads);
+            causal = causal_, threads = threads_or_all(threads_)]() mutable {
+             run(a, b, out, t, causal, threads);
            });
 }
 
 bool ExactMatmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const ExactMatmul&>(other);
-  return transpose_b_ == o.transpose_b_ && threads_ == o.threads_;
+  return transpose_b_ == o.transpose_b_ && causal_ == o.causal_ &&
+         threads_ == o.threads_;
 }
 
 mx::array exact_matmul(const mx::array& a, const mx::array& b, bool transpose_b,
-                       int threads) {
+                       int threads, int64_t causal) {
   if (a.dtype() != mx::float32 || b.dtype() != mx::float32) {
     throw std::invalid_argument("moestream matmul: a and b must be float32");
   }
@@ -197,11 +301,17 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, bool transpose_b,
         "moestream matmul: a [batch, M, K] and b [batch, K, N] (or [batch, N, "
         "K] transposed) expected");
   }
+  if (causal < 0 || (causal && (!transpose_b || a.shape(1) % causal ||
+                                causal > b.shape(1)))) {
+    throw std::invalid_argument(
+        "moestream matmul: causal must be 0 or the query rows of q @ k.T (a's "
+        "rows a multiple of it, at most the keys)");
+  }
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   mx::Shape shape = {a.shape(0), a.shape(1),
                      transpose_b ? b.shape(1) : b.shape(2)};
   return mx::array(shape, mx::float32,
-                   std::make_shared<ExactMatmul>(s, transpose_b, threads),
+                   std::make_shared<ExactMatmul>(s, transpose_b, causal, threads),
                    {a, b}); // read through their strides at eval
 }
 

@@ -16,11 +16,14 @@ namespace mx = mlx::core;
 namespace moestream {
 
 // a `[batch, M, K]` @ b `[batch, K, N]` (or b `[batch, N, K]` where
-// transpose_b), float32, row-contiguous inputs.
+// transpose_b), float32, read through their strides.
 class ExactMatmul : public CpuKernel {
  public:
-  ExactMatmul(mx::Stream s, bool transpose_b, int threads)
-      : CpuKernel(s), transpose_b_(transpose_b), threads_(threads) {}
+  ExactMatmul(mx::Stream s, bool transpose_b, int64_t causal, int threads)
+      : CpuKernel(s),
+        transpose_b_(transpose_b),
+        causal_(causal),
+        threads_(threads) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -30,12 +33,17 @@ class ExactMatmul : public CpuKernel {
 
  private:
   bool transpose_b_;
+  int64_t causal_;
   int threads_;
 };
 
 // mx.matmul(a, b) (b `[..., N, K]` read as its transpose where transpose_b)
-// for float32 `[batch, M, K]` inputs with equal batch, bit for bit.
+// for float32 `[batch, M, K]` inputs with equal batch, bit for bit. With
+// `causal` = q_len > 0 (q @ k.T of sdpa's scores, a's rows `rep * q_len`
+// queries), what MLX's sdpa makes of it under its causal mask: row m is
+// query m % q_len of the last q_len of N keys, and each key past it gets
+// float32's lowest instead of its (uncomputed) score.
 mx::array exact_matmul(const mx::array& a, const mx::array& b, bool transpose_b,
-                       int threads);
+                       int threads, int64_t causal = 0);
 
 } // namespace moestream

@@ -96,30 +96,64 @@ inline void row_exp(const float* in, float top, float* o, int64_t m) {
   }
 }
 
+// Where a row's closing run of one repeated value starts (a causal mask's
+// float32 lowest): its exps are one exp, and zeros add nothing to a sum.
+inline int64_t run_start(const float* in, int64_t m) {
+  const float last = in[m - 1];
+  int64_t j = m - 1;
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_set1_ps(last);
+  while (j >= kWide &&
+         _mm512_cmp_ps_mask(_mm512_loadu_ps(in + j - kWide), v, _CMP_EQ_OQ) ==
+             0xFFFF) {
+    j -= kWide;
+  }
+#endif
+  while (j > 0 && in[j - 1] == last) {
+    j--;
+  }
+  return j;
+}
+
 // Rows [r0, r1) of x `[*, m]` into out; each row's sum in order from +0,
-// four rows' sums side by side (four chains of adds in flight).
+// four rows' sums side by side (four chains of adds in flight). A row's
+// closing run of one value takes one exp, and its adds only where that exp
+// is not zero.
 void softmax_rows(const float* x, float* out, int64_t r0, int64_t r1,
                   int64_t m) {
   constexpr int kTogether = 4;
   for (int64_t r = r0; r < r1; r += kTogether) {
     int n = int(std::min<int64_t>(kTogether, r1 - r));
     float* o[kTogether];
-    float sum[kTogether] = {};
+    float sum[kTogether] = {}, tail[kTogether];
+    int64_t run[kTogether], most = 0;
     for (int k = 0; k < n; k++) {
       const float* in = x + (r + k) * m;
       o[k] = out + (r + k) * m;
-      row_exp(in, row_max(in, m), o[k], m);
+      run[k] = run_start(in, m);
+      float top = max_one(in[m - 1], row_max(in, run[k]));
+      row_exp(in, top, o[k], run[k]);
+      tail[k] = exp_one(in[m - 1] - top);
+      most = std::max(most, run[k]);
     }
-    for (int64_t j = 0; j < m; j++) {
+    for (int64_t j = 0; j < most; j++) {
       for (int k = 0; k < n; k++) {
-        sum[k] = sum[k] + o[k][j];
+        if (j < run[k]) {
+          sum[k] = sum[k] + o[k][j];
+        }
       }
     }
     for (int k = 0; k < n; k++) {
+      if (tail[k] != 0.0f) {
+        for (int64_t j = run[k]; j < m; j++) {
+          sum[k] = sum[k] + tail[k];
+        }
+      }
       float inv = 1 / sum[k];
-      for (int64_t j = 0; j < m; j++) {
+      for (int64_t j = 0; j < run[k]; j++) {
         o[k][j] = o[k][j] * inv;
       }
+      std::fill(o[k] + run[k], o[k] + m, tail[k] * inv);
     }
   }
 }

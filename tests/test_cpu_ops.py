@@ -218,6 +218,49 @@ def test_softmax_keeps_mlx_edges():
         native._native.exact_softmax(x.astype(mx.float16))
 
 
+def test_softmax_closing_runs_equal_mlx():
+    """Rows that end in a run of one value (a causal mask's lowest, a value
+    whose exp is not zero, signed zeros, a whole row of it): MLX's bits."""
+    low = float(mx.finfo(mx.float32).min)
+    x = _operand((6, 70), 17) * 4
+    tails = [low, low, 0.5, -0.0, 0.0, low]
+    rows = []
+    for i, (row, tail) in enumerate(zip(x, tails, strict=True)):
+        start = [70, 40, 3, 30, 50, 0][i]
+        rows.append(mx.concatenate([row[:start], mx.full((70 - start,), tail)]))
+    x = mx.stack(rows)
+    ours = native._native.exact_softmax(x, 2)
+    assert mx.array_equal(ours, mx.softmax(x, axis=-1, precise=True)).item()
+
+
+@pytest.mark.parametrize("rep, q_len, k_len", [(1, 1, 1), (4, 7, 7), (3, 5, 29)])
+def test_causal_scores_equal_masked_product(rep, q_len, k_len):
+    """causal = q_len: q @ k.T with float32's lowest past each query's key,
+    as MLX's sdpa masks it; the rest computed as ever."""
+    q = _operand((2, rep * q_len, 24), 31)
+    k = _operand((2, k_len, 24), 33)
+    ours = native._native.exact_matmul(q, k, True, 2, causal=q_len)
+    q_idx = mx.tile(mx.arange(k_len - q_len, k_len), rep)[:, None]
+    seen = q_idx >= mx.arange(k_len)[None]
+    low = mx.array(mx.finfo(mx.float32).min, mx.float32)
+    theirs = mx.where(seen, q @ mx.swapaxes(k, 1, 2), low)
+    assert mx.array_equal(ours, theirs).item()
+    with pytest.raises(ValueError, match="causal"):
+        native._native.exact_matmul(q, mx.swapaxes(k, 1, 2), False, 2, causal=q_len)
+
+
+def test_matmul_trailing_zeros_against_infinity():
+    """Rows of a that end in zeros skip them only where b is finite: a zero
+    times an infinity is MLX's NaN."""
+    a = _operand((1, 9, 40), 41)
+    a = mx.where(mx.arange(40)[None, None] < mx.arange(9)[None, :, None] * 4, a, 0.0)
+    b = _operand((1, 40, 32), 43)
+    for bb in (b, mx.where(mx.arange(40)[None, :, None] == 37, float("inf"), b)):
+        ours = native._native.exact_matmul(a, bb, False, 2)
+        assert mx.array_equal(ours, a @ bb, equal_nan=True).item()
+    assert mx.isnan(ours).any().item()
+
+
 def _qkv(batch, heads, kv_heads, q_len, k_len, dim, key):
     q = mx.random.normal((batch, heads, q_len, dim), key=mx.random.key(key))
     k = mx.random.normal((batch, kv_heads, k_len, dim), key=mx.random.key(key + 1))

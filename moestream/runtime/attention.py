@@ -43,7 +43,8 @@ def _covered(
     """Float32 attention over a plain cache: what exact_sdpa computes."""
     plain = sinks is None and not hasattr(cache, "bits")
     f32 = all(a.dtype == mx.float32 for a in (queries, keys, values))
-    masks = mask is None or (isinstance(mask, str) and mask == "causal")
+    causal = isinstance(mask, str) and mask == "causal"
+    masks = mask is None or (causal and queries.shape[2] <= keys.shape[2])
     masks = masks or (isinstance(mask, mx.array) and mask.ndim <= 4)
     return plain and f32 and masks and queries.shape[1] % keys.shape[1] == 0
 
@@ -51,14 +52,11 @@ def _covered(
 def _masked(
     scores: mx.array, mask: Any, queries: mx.array, keys: mx.array, rep: int
 ) -> mx.array:
-    """The fallback's mask step on `[B, Hkv, rep, L, S]` scores."""
+    """The fallback's mask step on `[B, Hkv, rep, L, S]` scores (a causal
+    mask is the matmul's own: exact_sdpa)."""
     if mask is None:
         return scores
     low = mx.array(mx.finfo(mx.float32).min, mx.float32)
-    if isinstance(mask, str):  # causal: the fallback's own index mask
-        q_len, k_len = queries.shape[2], keys.shape[2]
-        q_idx = mx.arange(k_len - q_len, k_len)[:, None]
-        return mx.where(q_idx >= mx.arange(0, k_len)[None], scores, low)
     if mask.dtype != mx.bool_:
         mask = mask.astype(mx.float32)
     b, heads, q_len, _ = queries.shape
@@ -89,10 +87,14 @@ def exact_sdpa(
     q = mx.multiply(mx.array(scale, mx.float32), queries)
     q = q.reshape(b * kv_heads, rep * q_len, dim)  # a kv head's queries as rows
     k = keys.reshape(b * kv_heads, k_len, dim)
-    scores = _native.exact_matmul(q, k, True, threads)
-    scores = _masked(
-        scores.reshape(b, kv_heads, rep, q_len, k_len), mask, queries, keys, rep
-    )
+    if isinstance(mask, str):  # causal: the masked scores in one op
+        scores = _native.exact_matmul(q, k, True, threads, causal=q_len)
+        scores = scores.reshape(b, kv_heads, rep, q_len, k_len)
+    else:
+        scores = _native.exact_matmul(q, k, True, threads)
+        scores = _masked(
+            scores.reshape(b, kv_heads, rep, q_len, k_len), mask, queries, keys, rep
+        )
     scores = _native.exact_softmax(scores, threads)  # mx.softmax(precise=True)
     v = values.reshape(b * kv_heads, k_len, values.shape[-1])
     out = _native.exact_matmul(
