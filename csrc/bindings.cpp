@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_experts.h"
+#include "cpu_attention.h"
 #include "cpu_matmul.h"
 #include "cpu_ops.h"
 #include "cpu_rope.h"
@@ -315,6 +316,16 @@ NB_MODULE(_native, m) {
       "read transposed where transpose_b) on the CPU, bit for bit, over "
       "`threads` threads (0: every core). causal = q_len: q @ k.T under sdpa's "
       "causal mask (float32's lowest past each query's key).");
+  m.def(
+      "exact_attention",
+      [](const mlx::core::array& q, const mlx::core::array& k,
+         const mlx::core::array& v, int64_t causal, int threads) {
+        return moestream::exact_attention(q, k, v, causal, threads);
+      },
+      "q"_a, "k"_a, "v"_a, "causal"_a = 0, "threads"_a = 0,
+      "softmax(q @ k.T) @ v of float32 [batch, M, D] q (scaled), [batch, S, D] "
+      "k and [batch, S, Dv] v, as MLX's sdpa fallback computes it, bit for "
+      "bit; causal = q_len masks each query's later keys.");
   m.def(
       "exact_rms_norm",
       [](const mlx::core::array& x, const mlx::core::array& w, float eps) {

@@ -115,7 +115,15 @@ inline void transpose16(__m512i r[16]) {
 // step's, so that the process's memory stays within its plan); a larger
 // one (a long prompt's, whose page faults its arithmetic dwarfs) lives in
 // the caller's `spill` for the call.
-enum class Scratch { PairsGate, PairsUp, PanelsHidden, MatmulPacked };
+enum class Scratch {
+  PairsGate,
+  PairsUp,
+  PanelsHidden,
+  MatmulPacked,
+  AttentionValues,
+  AttentionScores,
+  Count
+};
 constexpr size_t kScratchKept = 8 << 20;
 
 inline float* scratch(Scratch use, size_t n, std::vector<float>& spill) {
@@ -123,7 +131,7 @@ inline float* scratch(Scratch use, size_t n, std::vector<float>& spill) {
     spill.resize(n);
     return spill.data();
   }
-  thread_local std::vector<float> buffers[4];
+  thread_local std::vector<float> buffers[static_cast<int>(Scratch::Count)];
   auto& b = buffers[static_cast<int>(use)];
   if (b.size() < n) {
     b.resize(n);

@@ -84,9 +84,8 @@ TileFn tile_fn(int mr, int nv) {
 
 constexpr int64_t kBlockCols = kVecs * kLanes; // columns of one tile
 
-// Where b's (k, j) lies once packed: blocks of kBlockCols columns one after
-// another, each `[K, kBlockCols]` (a tile's columns contiguous: rows of a
-// plain `[K, np]` lie a power of two apart and share one set of the L1 cache).
+// Where b's (k, j) lies once packed: blocks of a tile's columns, each
+// `[K, kBlockCols]` (a plain `[K, np]`'s rows share an L1 set).
 inline int64_t packed_at(int64_t k, int64_t j, int64_t K) {
   return j / kBlockCols * K * kBlockCols + k * kBlockCols + j % kBlockCols;
 }
@@ -118,11 +117,8 @@ void pack(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
 #endif
   for (int64_t k = 0; k < K; k++) {
     for (int64_t j = 0; j < np; j++) {
-      float v = 0.0f;
-      if (j < N) {
-        v = transposed ? b[j * rs + k * cs] : b[k * rs + j * cs];
-      }
-      bp[packed_at(k, j, K)] = v;
+      bp[packed_at(k, j, K)] =
+          j >= N ? 0.0f : transposed ? b[j * rs + k * cs] : b[k * rs + j * cs];
     }
   }
 }
@@ -167,109 +163,104 @@ inline int64_t causal_limit(int64_t m, int64_t causal, int64_t N) {
   return N - causal + m % causal;
 }
 
-// One batch's product: a `[M, K]`; b at column 0 (packed, or its own rows
-// `ldb` apart); with `causal` (the query rows of masked scores) the columns
-// past a row's causal limit are not computed but set to the mask's value;
-// with `zeros` a's rows' trailing zeros are skipped.
-struct Product {
-  const float* a;
-  const float* b;
-  int64_t K, N, np, ldb, causal;
-  bool packed, zeros;
-};
+} // namespace
 
-// The mask's value: MLX's sdpa puts float32's lowest where a query must not
-// see a key.
-constexpr float kMasked = -std::numeric_limits<float>::max();
+namespace matmul {
 
-// Rows [i0, i1) of one batch's product into out (`[M, N]`): a column block
-// of b (L1's worth) at a time, under every tile of rows; written in place
-// where N is whole vectors.
-void rows(const Product& p, int64_t i0, int64_t i1, float* out) {
-  const bool in_place = p.np == p.N;
-  std::vector<float> buf(in_place ? 0 : (i1 - i0) * p.np);
-  float* c = in_place ? out + i0 * p.N : buf.data();
-  const int64_t ldc = in_place ? p.N : p.np;
-  const int tiles = int((i1 - i0 + kRowsTile - 1) / kRowsTile);
-  std::vector<int64_t> cols(tiles, p.np), kend(tiles, p.K);
-  int64_t widest = p.causal ? 0 : p.np;
+int64_t packed_floats(int64_t K, int64_t N) {
+  return K * ((N + kBlockCols - 1) / kBlockCols * kBlockCols);
+}
+
+Operand prepare(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
+                bool transposed, float* buf) {
+  Operand o{b, rs, K, N, false, false};
+  if (transposed || cs != 1 || N % kLanes) {
+    pack(b, rs, cs, K, N, (N + kLanes - 1) / kLanes * kLanes, transposed, buf);
+    o = {buf, kBlockCols, K, N, true, false};
+  }
+  // trailing zeros of a skipped only against a finite b
+  o.finite = !transposed && all_finite(b, rs, cs, K, N);
+  return o;
+}
+
+// A column block of b (L1's worth) at a time, under every tile of the rows;
+// written in place where N is whole vectors.
+void product(const Rows& r, const Operand& b, float* out) {
+  const int64_t N = b.N, np = (N + kLanes - 1) / kLanes * kLanes;
+  const bool in_place = np == N;
+  std::vector<float> buf(in_place ? 0 : r.count * np);
+  float* c = in_place ? out : buf.data();
+  const int64_t ldc = in_place ? N : np;
+  const int tiles = int((r.count + kRowsTile - 1) / kRowsTile);
+  std::vector<int64_t> cols(tiles, np), kend(tiles, b.K);
+  int64_t widest = r.causal ? 0 : np;
   for (int t = 0; t < tiles; t++) {
-    int64_t i = i0 + t * kRowsTile;
-    int mr = int(std::min<int64_t>(kRowsTile, i1 - i));
-    if (p.causal) {
+    int64_t i = t * kRowsTile;
+    int mr = int(std::min<int64_t>(kRowsTile, r.count - i));
+    if (r.causal) {
       int64_t top = 0;
-      for (int r = 0; r < mr; r++) {
-        top = std::max(top, causal_limit(i + r, p.causal, p.N));
+      for (int q = 0; q < mr; q++) {
+        top = std::max(top, causal_limit(r.first + i + q, r.causal, N));
       }
-      cols[t] = std::min(p.np, (top + kLanes) / kLanes * kLanes);
+      cols[t] = std::min(np, (top + kLanes) / kLanes * kLanes);
       widest = std::max(widest, cols[t]);
     }
-    if (p.zeros) {
+    if (b.finite) {
       kend[t] = 0;
-      for (int r = 0; r < mr; r++) {
-        kend[t] = std::max(kend[t], until_zeros(p.a + (i + r) * p.K, p.K));
+      for (int q = 0; q < mr; q++) {
+        kend[t] = std::max(kend[t], until_zeros(r.a + (i + q) * b.K, b.K));
       }
     }
   }
   for (int64_t j = 0; j < widest; j += kBlockCols) {
-    const float* bj = p.packed ? p.b + j / kBlockCols * p.K * kBlockCols : p.b + j;
-    const int64_t ldb = p.packed ? kBlockCols : p.ldb;
+    const float* bj = b.packed ? b.b + j / kBlockCols * b.K * kBlockCols : b.b + j;
     for (int t = 0; t < tiles; t++) {
-      if (j >= cols[t]) {
-        continue;
+      if (j < cols[t]) {
+        int64_t i = t * kRowsTile;
+        int mr = int(std::min<int64_t>(kRowsTile, r.count - i));
+        int nv = int(std::min<int64_t>(kVecs, (cols[t] - j) / kLanes));
+        tile_fn(mr, nv)(r.a + i * b.K, b.K, bj, b.ldb, kend[t], c + i * ldc + j,
+                        ldc);
       }
-      int64_t i = i0 + t * kRowsTile;
-      int mr = int(std::min<int64_t>(kRowsTile, i1 - i));
-      int nv = int(std::min<int64_t>(kVecs, (cols[t] - j) / kLanes));
-      tile_fn(mr, nv)(p.a + i * p.K, p.K, bj, ldb, kend[t], c + (i - i0) * ldc + j,
-                      ldc);
     }
   }
-  for (int64_t i = i0; i < i1; i++) {
+  for (int64_t i = 0; i < r.count; i++) {
     int64_t seen =
-        p.causal ? std::min(p.N, causal_limit(i, p.causal, p.N) + 1) : p.N;
-    float* o = out + i * p.N;
+        r.causal ? std::min(N, causal_limit(r.first + i, r.causal, N) + 1) : N;
     if (!in_place) {
-      std::memcpy(o, buf.data() + (i - i0) * p.np, seen * sizeof(float));
+      std::memcpy(out + i * N, buf.data() + i * np, seen * sizeof(float));
     }
-    std::fill(o + seen, o + p.N, kMasked);
+    std::fill(out + i * N + seen, out + (i + 1) * N, kMasked);
   }
 }
+
+} // namespace matmul
+
+namespace {
 
 void run(const mx::array& a, const mx::array& b, mx::array& out,
          bool transposed, int64_t causal, int threads) {
   int64_t batch = a.shape(0), M = a.shape(1), K = a.shape(2);
   int64_t N = transposed ? b.shape(1) : b.shape(2);
-  int64_t np = (N + kLanes - 1) / kLanes * kLanes;
   std::vector<float> a_rows; // where a is a view (queries are not)
   const float* ap = row_major(a, a_rows);
   const float* bq = b.data<float>();
   float* op = out.data<float>();
   const auto& bs = b.strides();
-  // b's rows as they are where they already are whole vectors of columns
-  // (a cache's values), else packed.
-  const bool direct = !transposed && bs[2] == 1 && N % kLanes == 0;
-  // packed: whole blocks of kBlockCols columns, the last one's tail unused
-  const int64_t per = K * ((np + kBlockCols - 1) / kBlockCols * kBlockCols);
-  std::vector<float> packed_spill;
-  float* packed =
-      direct ? nullptr : scratch(Scratch::MatmulPacked, batch * per, packed_spill);
-  std::vector<char> finite(batch, 0);
+  const int64_t per = matmul::packed_floats(K, N);
+  std::vector<float> spill;
+  float* packed = scratch(Scratch::MatmulPacked, batch * per, spill);
+  std::vector<matmul::Operand> bn(batch);
   parallel_for(int(batch), threads, [&](int n) {
-    const float* bn = bq + n * bs[0];
-    if (!direct) {
-      pack(bn, bs[1], bs[2], K, N, np, transposed, packed + n * per);
-    }
-    if (!transposed) { // trailing zeros of a skipped only against a finite b
-      finite[n] = all_finite(bn, bs[1], bs[2], K, N);
-    }
+    bn[n] = matmul::prepare(bq + n * bs[0], bs[1], bs[2], K, N, transposed,
+                            packed + n * per);
   });
   int64_t blocks = (M + kRowsTask - 1) / kRowsTask;
   parallel_for(int(batch * blocks), threads, [&](int task) {
     int64_t n = task / blocks, i0 = task % blocks * kRowsTask;
-    Product p{ap + n * M * K, direct ? bq + n * bs[0] : packed + n * per,
-              K, N, np, direct ? bs[1] : np, causal, !direct, bool(finite[n])};
-    rows(p, i0, std::min(M, i0 + kRowsTask), op + n * M * N);
+    int64_t count = std::min(M, i0 + kRowsTask) - i0;
+    matmul::product({ap + (n * M + i0) * K, i0, count, causal}, bn[n],
+                    op + (n * M + i0) * N);
   });
 }
 

@@ -6,6 +6,9 @@
 // vector, several rows and vectors at once, split over threads.
 #pragma once
 
+#include <cstdint>
+#include <limits>
+
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
@@ -36,6 +39,43 @@ class ExactMatmul : public CpuKernel {
   int64_t causal_;
   int threads_;
 };
+
+// The matmul's pieces, for kernels that run products of their own (attention).
+namespace matmul {
+
+// The mask's value: MLX's sdpa puts float32's lowest where a query must not
+// see a key.
+constexpr float kMasked = -std::numeric_limits<float>::max();
+
+// One batch of b `[K, N]` as products read it: in place where its rows are
+// whole vectors, else packed in blocks of a tile's columns; `finite`: no
+// infinity or NaN in it (a's trailing zeros may then be skipped).
+struct Operand {
+  const float* b;
+  int64_t ldb, K, N;
+  bool packed, finite;
+};
+
+// Floats a packed b `[K, N]` takes.
+int64_t packed_floats(int64_t K, int64_t N);
+
+// b `[K, N]` (`[N, K]` where transposed) at row and column strides rs, cs;
+// `buf` (packed_floats) holds it where it is packed.
+Operand prepare(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
+                bool transposed, float* buf);
+
+// `count` rows of a (`[count, K]`, row `first` of its batch). With `causal`
+// (q_len), q @ k.T of masked scores: row m is query m % q_len of the last
+// q_len of N keys, and each key past it gets kMasked, its score uncomputed.
+struct Rows {
+  const float* a;
+  int64_t first, count, causal;
+};
+
+// out `[count, N]` = the rows' product with b, MLX's bits.
+void product(const Rows& rows, const Operand& b, float* out);
+
+} // namespace matmul
 
 // mx.matmul(a, b) (b `[..., N, K]` read as its transpose where transpose_b)
 // for float32 `[batch, M, K]` inputs with equal batch, bit for bit. With

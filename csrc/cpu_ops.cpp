@@ -115,6 +115,8 @@ inline int64_t run_start(const float* in, int64_t m) {
   return j;
 }
 
+} // namespace
+
 // Rows [r0, r1) of x `[*, m]` into out; each row's sum in order from +0,
 // four rows' sums side by side (four chains of adds in flight). A row's
 // closing run of one value takes one exp, and its adds only where that exp
@@ -158,7 +160,6 @@ void softmax_rows(const float* x, float* out, int64_t r0, int64_t r1,
   }
 }
 
-} // namespace
 
 void ExactSoftmax::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {

@@ -52,4 +52,9 @@ class ExactSoftmax : public CpuKernel {
 // mx.softmax(x, axis=-1) for float32 x, bit for bit.
 mx::array exact_softmax(const mx::array& x, int threads);
 
+// Rows [r0, r1) of x `[*, m]`, row-contiguous, softmaxed into out (x may be
+// out): ExactSoftmax's arithmetic, for kernels that hold their own rows.
+void softmax_rows(const float* x, float* out, int64_t r0, int64_t r1,
+                  int64_t m);
+
 } // namespace moestream

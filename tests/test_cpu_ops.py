@@ -87,6 +87,28 @@ def test_kernels_read_views_through_their_strides():
     ).item()
 
 
+@pytest.mark.parametrize("causal", [0, 5])
+def test_attention_op_reads_cache_views(causal):
+    """exact_attention on a cache's slices (rows 256 apart), values of a
+    width that is not whole vectors: MLX's sdpa fallback steps, bit for bit."""
+    cache = _operand((2, 4, 256, 64), 51)
+    keys = cache[:, :, :37, :].reshape(8, 37, 64)
+    values = _operand((2, 4, 256, 40), 52)[:, :, :37, :].reshape(8, 37, 40)
+    q = _operand((8, 3 * 5, 64), 53) * 0.125
+    scores = q @ keys.transpose(0, 2, 1)
+    if causal:
+        q_idx = mx.tile(mx.arange(37 - causal, 37), 3)[:, None]
+        low = mx.array(mx.finfo(mx.float32).min, mx.float32)
+        scores = mx.where(q_idx >= mx.arange(37)[None], scores, low)
+    theirs = mx.softmax(scores, axis=-1, precise=True) @ values
+    ours = native._native.exact_attention(q, keys, values, causal, 2)
+    assert mx.array_equal(ours, theirs).item()
+    with pytest.raises(ValueError, match="causal"):
+        native._native.exact_attention(q, keys, values, 4)
+    with pytest.raises(ValueError, match="float32"):
+        native._native.exact_attention(q.astype(mx.float16), keys, values)
+
+
 def test_matmul_refuses_what_it_does_not_compute():
     with pytest.raises(ValueError, match="float32"):
         native._native.exact_matmul(

@@ -6,9 +6,13 @@ matmuls are MLX's CPU matmul, which the Linux wheel computes with the
 reference BLAS (one output at a time, k ascending, a multiply and an add
 each); csrc/cpu_matmul.h computes the same sums at vector speed, and
 csrc/cpu_ops.h MLX's softmax (its own exp, the row's sum in order) with its
-exps in vector lanes and rows over threads. `exact_sdpa` is that fallback
-with those three steps swapped and the others MLX's own ops, so its output
-equals MLX's bit for bit (checked once at first use: `matches_mlx`).
+exps in vector lanes and rows over threads. Unmasked or causal, the three
+run as one op (csrc/cpu_attention.h), a block of query rows at a time, so no
+scores array is written, and under a causal mask the scores a query does not
+see are not computed (the mask puts float32's lowest there; their exps are
+zeros, which add nothing). With an array mask they are three ops, the mask
+MLX's. Either way `exact_sdpa` equals MLX's fallback bit for bit (checked
+once at first use: `matches_mlx`).
 `use_exact_attention` rebinds a model's attention modules to it, each
 through a subclass whose `__call__` is mlx-lm's own code with
 `scaled_dot_product_attention` resolved to `exact_sdpa`: the model's code
@@ -52,8 +56,8 @@ def _covered(
 def _masked(
     scores: mx.array, mask: Any, queries: mx.array, keys: mx.array, rep: int
 ) -> mx.array:
-    """The fallback's mask step on `[B, Hkv, rep, L, S]` scores (a causal
-    mask is the matmul's own: exact_sdpa)."""
+    """The fallback's mask step on `[B, Hkv, rep, L, S]` scores for an array
+    mask (a causal one is exact_attention's own)."""
     if mask is None:
         return scores
     low = mx.array(mx.finfo(mx.float32).min, mx.float32)
@@ -87,16 +91,16 @@ def exact_sdpa(
     q = mx.multiply(mx.array(scale, mx.float32), queries)
     q = q.reshape(b * kv_heads, rep * q_len, dim)  # a kv head's queries as rows
     k = keys.reshape(b * kv_heads, k_len, dim)
-    if isinstance(mask, str):  # causal: the masked scores in one op
-        scores = _native.exact_matmul(q, k, True, threads, causal=q_len)
-        scores = scores.reshape(b, kv_heads, rep, q_len, k_len)
-    else:
-        scores = _native.exact_matmul(q, k, True, threads)
-        scores = _masked(
-            scores.reshape(b, kv_heads, rep, q_len, k_len), mask, queries, keys, rep
-        )
-    scores = _native.exact_softmax(scores, threads)  # mx.softmax(precise=True)
     v = values.reshape(b * kv_heads, k_len, values.shape[-1])
+    if mask is None or isinstance(mask, str):  # none or causal: one op
+        causal = q_len if isinstance(mask, str) else 0
+        out = _native.exact_attention(q, k, v, causal, threads)
+        return out.reshape(b, heads, q_len, values.shape[-1])
+    scores = _native.exact_matmul(q, k, True, threads)
+    scores = _masked(
+        scores.reshape(b, kv_heads, rep, q_len, k_len), mask, queries, keys, rep
+    )
+    scores = _native.exact_softmax(scores, threads)  # mx.softmax(precise=True)
     out = _native.exact_matmul(
         scores.reshape(b * kv_heads, rep * q_len, k_len), v, False, threads
     )
