@@ -92,8 +92,10 @@ def test_the_plan_names_the_fast_arithmetic(converted):
     r = CliRunner().invoke(cli, ["plan", str(converted), "--arithmetic", "fast"])
     assert r.exit_code == 0, r.output
     assert "fast arithmetic (calls of 16+ rows per expert" in r.output
+    assert "a fast call's dequantized slots" in r.output
     plain = CliRunner().invoke(cli, ["plan", str(converted)])
     assert "fast arithmetic" not in plain.output
+    assert "dequantized" not in plain.output
 
 
 def test_bad_fast_settings_are_one_line(converted):
