@@ -107,6 +107,7 @@ def plan_dict(execution: ExecutionPlan, cfg: RuntimeConfig) -> dict[str, Any]:
     d = asdict(plan)
     d.update(
         pools=plan.pools,
+        fast_scratch=plan.fast_scratch,
         total=plan.total,
         residency=plan.capacity / max(plan.num_experts, 1),
         context=cfg.context,
@@ -357,6 +358,11 @@ def format_plan(result: dict[str, Any]) -> str:
             else f"{p['capacity']} of {p['num_experts']} per layer "
             f"({100 * p['residency']:.0f} % resident), "
             f"{h(p['slot_bytes'])} per slot in every layer",
+        ),
+        *(
+            [row("fast", p["fast_scratch"], "a fast call's dequantized slots")]
+            if p["fast_scratch"]
+            else []
         ),
         row("total", p["total"], f"of a {h(budget)} budget" if budget else ""),
     ]

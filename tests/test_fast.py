@@ -16,10 +16,12 @@ from click.testing import CliRunner
 from helpers import PROMPT, logits_stepwise
 
 import moestream
+from moestream.bench.models import Scale, write_synthetic
 from moestream.cli import main as cli
 from moestream.reference import resident_from_converted
 from moestream.runtime import RuntimeConfig, native
 from moestream.runtime.fast import use_fast_arithmetic
+from moestream.runtime.loader import budget_for, plan_for
 from moestream.runtime.switch import exact_arithmetic
 
 STEPS = 6
@@ -90,8 +92,10 @@ def test_the_plan_names_the_fast_arithmetic(converted):
     r = CliRunner().invoke(cli, ["plan", str(converted), "--arithmetic", "fast"])
     assert r.exit_code == 0, r.output
     assert "fast arithmetic (calls of 16+ rows per expert" in r.output
+    assert "a fast call's dequantized slots" in r.output
     plain = CliRunner().invoke(cli, ["plan", str(converted)])
     assert "fast arithmetic" not in plain.output
+    assert "dequantized" not in plain.output
 
 
 def test_bad_fast_settings_are_one_line(converted):
@@ -102,3 +106,67 @@ def test_bad_fast_settings_are_one_line(converted):
     with pytest.raises(ValueError, match="on a CPU computes in float32") as d:
         moestream.load(converted, arithmetic="fast", dtype="bfloat16")
     assert all("\n" not in str(x.value) for x in (e, m, d))
+
+
+# 2 layers of 16 experts, top-2, D 256 -> F 256: a layer's 16 slots are 12.6 MB
+# dequantized to float32, 1.8 MB at 4 bits; the rest of the model is small.
+WIDE = Scale(2, 16, 2, 256, 256, heads=4, kv_heads=2, head_dim=64, vocab=512)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fast") / "wide"
+    write_synthetic(out, WIDE)
+    return out
+
+
+def test_the_plan_counts_the_fast_dequantized_slots(wide):
+    """One layer's slots dequantized to float32 (all three projections), twice
+    (the dequantize's and gather_mm's temporaries), in the total and in what a
+    budget leaves for slots."""
+    exact = plan_for(wide, RuntimeConfig(dtype="float32", cache_experts=16))
+    fast = plan_for(
+        wide, RuntimeConfig(dtype="float32", cache_experts=16, arithmetic="fast")
+    )
+    assert exact.fast_scratch == 0
+    assert fast.fast_scratch == 2 * 16 * 3 * 256 * 256 * 4
+    assert fast.total == exact.total + fast.fast_scratch
+    assert "fast dequantized 24.0M" in fast.describe()
+    budget = budget_for(wide, 16, options=RuntimeConfig(dtype="float32"))
+    slots = {
+        a: plan_for(
+            wide, RuntimeConfig(dtype="float32", memory_budget=budget, arithmetic=a)
+        ).capacity
+        for a in ("exact", "fast")
+    }
+    # 16 slots' bytes hold 2 slots with their dequantized weights
+    assert slots == {"exact": 16, "fast": 16 * fast.slot_bytes // fast.per_slot}
+    assert slots["fast"] == 2
+
+
+@pytest.mark.parametrize("cache_experts", [16, 6])
+def test_a_fast_prefill_stays_inside_the_plan(wide, cache_experts):
+    """MLX's peak in a fast prefill, above what was allocated before it, fits
+    the plan's transient share (KV cache, activations, staging and the fast
+    dequantized slots): every layer's slots dequantized at once, or a
+    projection's before its turn, would not."""
+    model, _ = moestream.load(
+        wide,
+        cache_experts=cache_experts,
+        arithmetic="fast",
+        fast_rows=4,  # 64 tokens x 2 of 16 experts: 8 pairs per expert
+        dtype="float32",
+        context=64,
+    )
+    plan = moestream.runtime_of(model).plan
+    prompt = mx.array([[(5 * i + 1) % 512 for i in range(64)]])
+    mx.eval(model(prompt[:, :4]))  # first-use checks
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    mx.eval(model(prompt))
+    mx.synchronize()
+    assert moestream.stats(model).fast_calls == 2
+    transient = plan.kv_cache + plan.activations + plan.staging + plan.fast_scratch
+    assert mx.get_peak_memory() - before <= transient

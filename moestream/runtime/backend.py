@@ -311,6 +311,7 @@ def _plan_slots(
         budget,
         cfg.cache_experts,
         cfg.concurrency,
+        fast=cfg.arithmetic == "fast",
     )
 
 

@@ -35,14 +35,18 @@ def fast_pairs(num_experts: int, rows: int = FAST_ROWS_PER_EXPERT) -> int:
     return rows * num_experts
 
 
-def _weight(p: nn.Module, dtype: mx.Dtype) -> mx.array:
-    """A projection's expert weights `[E, out, in]` in `dtype`."""
+def _weight(p: nn.Module, dtype: mx.Dtype, after: mx.array) -> mx.array:
+    """A projection's expert weights `[E, out, in]` in `dtype`, made only once
+    `after` (the call's input) is: so a lazily built forward dequantizes one
+    layer's weights at a time, not every layer's before the first runs."""
+    names = [n for n in ("weight", "scales", "biases") if n in p]
+    held = dict(zip(names, mx.depends([p[n] for n in names], [after]), strict=True))
     if not isinstance(p, QuantizedSwitchLinear):
-        return p["weight"].astype(dtype)
+        return held["weight"].astype(dtype)
     return mx.dequantize(
-        p["weight"],
-        p["scales"],
-        p.get("biases"),
+        held["weight"],
+        held["scales"],
+        held.get("biases"),
         group_size=p.group_size,
         bits=p.bits,
         mode=p.mode,
@@ -51,9 +55,12 @@ def _weight(p: nn.Module, dtype: mx.Dtype) -> mx.array:
     )
 
 
-def _project(p: nn.Module, x: mx.array, idx: mx.array) -> mx.array:
-    """One projection of rows `x` sorted by expert `idx`, on dequantized weights."""
-    w = _weight(p, x.dtype).swapaxes(-1, -2)
+def _project(
+    p: nn.Module, x: mx.array, idx: mx.array, after: mx.array | None = None
+) -> mx.array:
+    """One projection of rows `x` sorted by expert `idx`, on dequantized weights
+    made once `after` (default: `x`) is."""
+    w = _weight(p, x.dtype, x if after is None else after).swapaxes(-1, -2)
     y = mx.gather_mm(x, w, rhs_indices=idx, sorted_indices=True)
     if "bias" in p:
         y = y + mx.expand_dims(p["bias"][idx], -2)
@@ -65,8 +72,10 @@ def fast_glu(inner: SwitchGLU, x: mx.array, indices: mx.array) -> mx.array:
     rows always sorted by expert, whatever their number."""
     x = mx.expand_dims(x, (-2, -3))
     x, idx, inv_order = _gather_sort(x, mx.stop_gradient(indices))
+    # One projection's weights dequantized at a time (on a CPU, gather_mm
+    # copies them once more, transposed): the gate's after the up's product.
     up = _project(inner.up_proj, x, idx)
-    gate = _project(inner.gate_proj, x, idx)
+    gate = _project(inner.gate_proj, x, idx, after=up)
     x = _project(inner.down_proj, inner.activation(up, gate), idx)
     return _scatter_unsort(x, inv_order, indices.shape).squeeze(-2)
 

@@ -1,5 +1,6 @@
 """The memory plan: how a budget splits between the process, the dense
-weights, the KV cache, activations, staging, a reserve and the expert slots.
+weights, the KV cache, activations, staging, a reserve and the expert slots
+(and, with the fast arithmetic, one layer's slots dequantized).
 
 Everything here is arithmetic on the manifest and the model's config, so
 `plan`, `run-moe`, `serve` and the bench size memory with the same numbers.
@@ -56,6 +57,14 @@ class MemoryPlan:
     host_budget: int | None = None
     host_pinned: bool = False
     mapped: bool = False  # the cpu-mapped backend: no slots (capacity 0)
+    # The fast arithmetic (runtime/fast.py), per slot of the largest layer:
+    # its projections' weights dequantized to the compute dtype, twice. A fast
+    # call dequantizes its layer's slots, one layer and one projection at a
+    # time, and the dequantize and gather_mm make temporaries of their own
+    # (on a CPU, one more copy of a projection's weights, transposed):
+    # measured 0.9-1.4x one layer's dequantized slots above the exact path's
+    # peak (scripts/fast_memory.py, docs/memory-budget.md). `fast_scratch`.
+    dequant_slot: int = 0
 
     @property
     def host_tier(self) -> int:
@@ -66,9 +75,19 @@ class MemoryPlan:
         return self.slot_bytes * self.capacity
 
     @property
+    def fast_scratch(self) -> int:
+        """The fast arithmetic's dequantized weights: one layer's slots, twice."""
+        return self.dequant_slot * self.capacity
+
+    @property
+    def per_slot(self) -> int:
+        """What one more slot in every layer adds to the total."""
+        return self.slot_bytes + self.dequant_slot
+
+    @property
     def total(self) -> int:
         fixed = self.process + self.dense + self.kv_cache + self.activations
-        return fixed + self.staging + self.reserve + self.pools
+        return fixed + self.staging + self.reserve + self.pools + self.fast_scratch
 
     def describe(self) -> str:
         h = human_bytes
@@ -81,6 +100,11 @@ class MemoryPlan:
                 "mapped (the page cache holds them)"
                 if self.mapped
                 else f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer)"
+            )
+            + (
+                f" + fast dequantized {h(self.fast_scratch)}"
+                if self.fast_scratch
+                else ""
             )
             + f" = {h(self.total)}"
             + (f" of {h(self.budget)}" if self.budget else "")
@@ -118,8 +142,9 @@ def least_budget(plan: MemoryPlan, capacity: int) -> int:
     """The smallest --memory-budget that holds `plan` with `capacity` slots per
     layer, the reserve's share of that budget included."""
     return _budget_holding(
-        plan.total - plan.reserve - plan.pools + capacity * plan.slot_bytes
-    )
+        plan.total - plan.reserve - plan.capacity * plan.per_slot
+        + capacity * plan.per_slot
+    )  # fmt: skip
 
 
 def _text_config(config: dict) -> dict:
@@ -137,9 +162,11 @@ def plan_memory(
     budget: int | None,
     cache_experts: int | None,
     concurrency: int = 1,
+    fast: bool = False,
 ) -> MemoryPlan:
     """Split `budget`; `concurrency` sequences decode at once, and each layer
-    needs a slot for every expert one step of theirs can route to."""
+    needs a slot for every expert one step of theirs can route to; `fast`:
+    the fast arithmetic's dequantized slots are counted too."""
     top_k = get_family(config).top_k(config)
     config = _text_config(config)
     num_experts = max((x.num_experts for x in manifest.layers), default=0)
@@ -148,13 +175,16 @@ def plan_memory(
     kv = concurrency * _kv_bytes(config, context, compute)
     act = concurrency * _activation_bytes(config, context, top_k)
     staging = max((x.record_nbytes for x in manifest.layers), default=0)
+    dequant = max((_dequant_nbytes(x, compute) for x in manifest.layers), default=0)
+    dequant = dequant if fast else 0
     if cache_experts is None and budget is None:
         fixed = process + dense + kv + act + staging
-        budget = default_budget(fixed + num_experts * slot, process)
+        budget = default_budget(fixed + num_experts * (slot + dequant), process)
     reserve = reserve_for(budget)
     plan = MemoryPlan(
         budget, process, dense, kv, act, staging, reserve, slot,
         capacity=num_experts, num_experts=num_experts, concurrency=concurrency,
+        dequant_slot=dequant,
     )  # fmt: skip
     if cache_experts is not None:
         capacity = _capacity_given(plan, cache_experts, least)
@@ -174,7 +204,7 @@ def _capacity_given(plan: MemoryPlan, cache_experts: int, least: int) -> int:
             f"experts per layer, more than {count(capacity, 'slot')}; give "
             f"--cache-experts {least} or more, or decode fewer at once."
         )
-    need = plan.total - plan.pools + capacity * plan.slot_bytes
+    need = plan.total - plan.capacity * plan.per_slot + capacity * plan.per_slot
     if plan.budget is not None and need > plan.budget:
         least = human_bytes(least_budget(plan, capacity), up=True)
         raise BudgetError(
@@ -187,8 +217,8 @@ def _capacity_given(plan: MemoryPlan, cache_experts: int, least: int) -> int:
 
 def _capacity_fitting(plan: MemoryPlan, least: int) -> int:
     """The slots per layer that the budget leaves room for, at least `least`."""
-    budget, slot = plan.budget or 0, plan.slot_bytes
-    fixed = plan.total - plan.pools
+    budget, slot = plan.budget or 0, plan.per_slot
+    fixed = plan.total - plan.capacity * slot
     capacity = min(plan.num_experts, max(budget - fixed, 0) // max(slot, 1))
     if capacity < least:
         seqs = f" for {plan.concurrency} sequences" if plan.concurrency > 1 else ""
@@ -215,6 +245,19 @@ def _slot_nbytes(layer: ExpertLayer, compute: mx.Dtype) -> int:
         else s.nbytes
         for s in layer.segments
     )
+
+
+def _dequant_nbytes(layer: ExpertLayer, compute: mx.Dtype) -> int:
+    """Twice one expert's projection weights dequantized to `compute` (what the
+    fast arithmetic makes of a slot, and its temporaries): a quantized weight's
+    uint32 words hold 32 / bits values each."""
+    values = 0
+    for s in layer.segments:
+        if not s.name.endswith(".weight"):
+            continue
+        n = math.prod(s.shape)
+        values += n * 32 // s.bits if s.dtype == "uint32" and s.bits else n
+    return 2 * values * compute.size
 
 
 def _kv_bytes(config: dict, context: int, compute: mx.Dtype) -> int:
