@@ -123,40 +123,6 @@ void pack(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
   }
 }
 
-// How many of a row's first values count: past the last nonzero, a product
-// with a finite b is a zero whose sum leaves the total as it is (it starts
-// at +0 and never becomes -0). Softmax rows under a causal mask end in
-// zeros.
-inline int64_t until_zeros(const float* a, int64_t K) {
-  int64_t k = K;
-#if defined(__AVX512F__)
-  while (k >= 16) {
-    __mmask16 nz = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + k - 16),
-                                      _mm512_setzero_ps(), _CMP_NEQ_UQ);
-    if (nz) {
-      return k - 16 + (32 - __builtin_clz(uint32_t(nz)));
-    }
-    k -= 16;
-  }
-#endif
-  while (k > 0 && a[k - 1] == 0.0f) {
-    k--;
-  }
-  return k;
-}
-
-inline bool all_finite(const float* b, int64_t rs, int64_t cs, int64_t K,
-                       int64_t N) {
-  for (int64_t k = 0; k < K; k++) {
-    for (int64_t j = 0; j < N; j++) {
-      if (!std::isfinite(b[k * rs + j * cs])) {
-        return false;
-      }
-    }
-  }
-  return true;
-}
-
 // Row m's causal limit: with `causal` (q_len) rows a query block, row m is
 // query m % causal of the last `causal` of N keys and sees keys up to it.
 inline int64_t causal_limit(int64_t m, int64_t causal, int64_t N) {

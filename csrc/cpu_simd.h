@@ -1,4 +1,4 @@
-// The CPU kernels' vectors, and MLX's CPU exp on them.
+// The CPU kernels' vectors, MLX's CPU exp on them, and scans of rows.
 //
 // A vector holds sixteen floats where the CPU has AVX-512 (one of its 32
 // registers), eight elsewhere (one AVX2 register of 16). Each lane's
@@ -77,6 +77,52 @@ inline VF exp_lanes(VF in) {
   VF out = in != in ? in : two * p;
   out = in > 88.0f ? VF{} + std::numeric_limits<float>::infinity() : out;
   return in < -88.0f ? VF{} : out;
+}
+
+// How many of a row's first values count: past the last nonzero, a product
+// with a finite b is a zero whose sum leaves the total as it is (it starts
+// at +0 and never becomes -0). Softmax rows under a causal mask end in
+// zeros.
+inline int64_t until_zeros(const float* a, int64_t K) {
+  int64_t k = K;
+#if defined(__AVX512F__)
+  while (k >= 16) {
+    __mmask16 nz = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + k - 16),
+                                      _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (nz) {
+      return k - 16 + (32 - __builtin_clz(uint32_t(nz)));
+    }
+    k -= 16;
+  }
+#endif
+  while (k > 0 && a[k - 1] == 0.0f) {
+    k--;
+  }
+  return k;
+}
+
+inline bool all_finite(const float* b, int64_t rs, int64_t cs, int64_t K,
+                       int64_t N) {
+  VI seen = {}; // the exponent bits of every value, ANDed: all ones only
+  for (int64_t k = 0; k < K; k++) { // where some value is infinite or NaN
+    int64_t j = 0;
+    for (; cs == 1 && j + kLanes <= N; j += kLanes) {
+      VI v;
+      std::memcpy(&v, b + k * rs + j, sizeof v);
+      seen |= (v & 0x7f800000) == 0x7f800000;
+    }
+    for (; j < N; j++) {
+      if (!std::isfinite(b[k * rs + j * cs])) {
+        return false;
+      }
+    }
+  }
+  for (int l = 0; l < kLanes; l++) {
+    if (seen[l]) {
+      return false;
+    }
+  }
+  return true;
 }
 
 } // namespace moestream
