@@ -156,31 +156,6 @@ def test_kernel_linear_swaps_in_exactly():
     assert mx.array_equal(layer(x.astype(mx.float16)), theirs16).item()
 
 
-def test_sibling_projections_run_as_one_call_exactly():
-    """q, k and v of a block (bits and widths alike, k and v narrower, one
-    with a bias) share one kernel call on their input, each taking its rows;
-    a sibling called alone on another input computes its own; after all
-    have been served the group holds no input."""
-    mx.random.seed(21)
-    block = nn.Module()
-    block.q_proj = nn.QuantizedLinear(128, 128, bias=False, group_size=32, bits=4)
-    block.k_proj = nn.QuantizedLinear(128, 32, bias=True, group_size=32, bits=4)
-    block.v_proj = nn.QuantizedLinear(128, 32, bias=False, group_size=32, bits=4)
-    block.o_proj = nn.QuantizedLinear(128, 128, bias=False, group_size=32, bits=3)
-    x, other = mx.random.normal((2, 5, 128)), mx.random.normal((2, 3, 128))
-    names = ("q_proj", "k_proj", "v_proj")
-    theirs = {n: block[n](x) for n in names}
-    alone = block.k_proj(other)
-    assert native.use_dense_kernel(block, _plan(cpu_kernel=True)) == 4
-    group, _ = block.q_proj._fused
-    assert all(block[n]._fused[0] is group for n in names)
-    assert not hasattr(block.o_proj, "_fused")  # no sibling reads its input
-    ours = {n: block[n](x) for n in names}
-    assert all(mx.array_equal(ours[n], theirs[n]).item() for n in names)
-    assert group._x is None and group._y is None
-    assert mx.array_equal(block.k_proj(other), alone).item()
-
-
 def test_bad_input_raises_one_clear_line():
     glu = _switch(64, 64, 2, [(4, 32)] * 3)
     inds = mx.zeros((1, 1, 1), mx.uint32)

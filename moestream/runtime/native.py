@@ -365,13 +365,9 @@ class KernelLinear(nn.QuantizedLinear):
         w, scales, biases = self["weight"], self["scales"], self["biases"]
         if x.dtype != mx.float32 or scales.dtype != mx.float32:
             return super().__call__(x)
-        if fused := getattr(self, "_fused", None):  # siblings.py
-            group, i = fused
-            y = group.rows(x, i)
-        else:
-            y = _native.quant_matmul(
-                x, w, scales, biases, self.bits, self.group_size, self._kernel_threads
-            )
+        y = _native.quant_matmul(
+            x, w, scales, biases, self.bits, self.group_size, self._kernel_threads
+        )
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -453,7 +449,4 @@ def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
         elif type(module) is nn.RoPE and ropes:
             module.__class__ = KernelRoPE
             n += 1
-    from .siblings import fuse_siblings  # it subclasses this module's layers
-
-    fuse_siblings(model)
     return n
