@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import moestream
@@ -163,3 +164,24 @@ def test_plan_and_load_give_the_same_slots_around_every_threshold(
             runtime_of(model).store.close()
             assert planned.capacity == loaded.capacity == want, (c, budget)
             assert planned.total == loaded.total <= budget
+
+
+def test_mlx_cache_takes_the_scores_room_only_where_none_are_written(
+    demo: Path,
+) -> None:
+    """The plan counts a prefill chunk's `[heads, L, S]` attention scores in
+    its activations; where the CPU kernel's exact attention writes none, MLX's
+    buffer cache may hold that room on top of its quarter, else not."""
+    cfg = RuntimeConfig(context=300, memory_budget="2G")
+    plan = plan_for(demo, cfg)
+    heads = json.loads((demo / "config.json").read_text())["num_attention_heads"]
+    assert plan.scores == 4 * heads * 300 * 300
+    assert plan.scores < plan.activations
+    saved = mx.set_cache_limit(0)
+    try:
+        loader._bound_allocators(plan)
+        assert mx.set_cache_limit(0) == plan.activations // 4
+        loader._bound_allocators(plan, scores_written=False)
+        assert mx.set_cache_limit(0) == plan.activations // 4 + plan.scores
+    finally:
+        mx.set_cache_limit(saved)

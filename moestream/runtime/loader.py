@@ -210,7 +210,8 @@ def _start(
         extra = execution.tuning.prefetch_extra
         chain_prefetch(model, streaming, model_config, extra)
     native.use_dense_kernel(model, execution)  # q/k/v/o, router, lm_head, norms
-    use_exact_attention(model, execution)  # q @ k.T, softmax, scores @ v
+    if use_exact_attention(model, execution):  # q @ k.T, softmax, scores @ v
+        _bound_allocators(plan, scores_written=False)
     mx.eval(model.parameters())
     all_fit = plan.capacity >= plan.num_experts
     bar = tqdm(
@@ -354,18 +355,19 @@ def _cut(
     return replace(manifest, layers=mine), config, keep
 
 
-def _bound_allocators(plan: MemoryPlan) -> None:
+def _bound_allocators(plan: MemoryPlan, scores_written: bool = True) -> None:
     """Keep freed memory from piling up outside the plan (process-wide settings).
 
     MLX keeps freed buffers for reuse: allow a quarter of the activations'
-    share. glibc raises its mmap threshold after large frees, so freed
-    buffers stay in the heap and in RSS: pin the threshold at 1 MiB.
-    Measured at an 800 MB budget, 300-token prompt: peak RSS 806 -> 682 MB,
-    same speed. Without a budget, nothing is bounded.
+    share, plus the attention scores' share where no scores are written (the
+    CPU kernel's exact attention). glibc raises its mmap threshold after
+    large frees, so freed buffers stay in the heap and in RSS: pin the
+    threshold at 1 MiB. What each bound costs and saves: docs/profile-cpu.md.
+    Without a budget, nothing is bounded.
     """
     if plan.budget is None:
         return
-    mx.set_cache_limit(plan.activations // 4)
+    mx.set_cache_limit(plan.activations // 4 + (0 if scores_written else plan.scores))
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)

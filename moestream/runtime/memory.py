@@ -65,6 +65,10 @@ class MemoryPlan:
     # measured 0.9-1.4x one layer's dequantized slots above the exact path's
     # peak (scripts/fast_memory.py, docs/memory-budget.md). `fast_scratch`.
     dequant_slot: int = 0
+    # The attention scores' part of `activations` (`[heads, L, S]` float32 of
+    # a prefill chunk): MLX's attention writes them; the CPU kernel's exact
+    # attention does not, and the loader lets MLX's cache use that room.
+    scores: int = 0
 
     @property
     def host_tier(self) -> int:
@@ -184,7 +188,7 @@ def plan_memory(
     plan = MemoryPlan(
         budget, process, dense, kv, act, staging, reserve, slot,
         capacity=num_experts, num_experts=num_experts, concurrency=concurrency,
-        dequant_slot=dequant,
+        dequant_slot=dequant, scores=concurrency * _score_bytes(config, context),
     )  # fmt: skip
     if cache_experts is not None:
         capacity = _capacity_given(plan, cache_experts, least)
@@ -274,12 +278,19 @@ def _activation_bytes(config: dict, context: int, k: int) -> int:
     routed rows (`k` per token) of the MoE, a few hidden-size buffers, and the
     logits."""
     tokens = min(PREFILL_STEP, context)
-    heads = config.get("num_attention_heads", 1)
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
     inter = max(inter) if isinstance(inter, list) else inter  # hunyuan: per layer
     hidden = config["hidden_size"]
-    per_token = heads * tokens + k * (3 * inter + hidden) + 8 * hidden
-    return 4 * (tokens * per_token + 2 * config.get("vocab_size", 0))
+    per_token = k * (3 * inter + hidden) + 8 * hidden
+    scores = _score_bytes(config, context)
+    return scores + 4 * (tokens * per_token + 2 * config.get("vocab_size", 0))
+
+
+def _score_bytes(config: dict, context: int) -> int:
+    """A prefill chunk's attention scores, `[heads, tokens, tokens]` float32
+    (the chunk's keys at most its own length: the plan's estimate)."""
+    tokens = min(PREFILL_STEP, context)
+    return 4 * config.get("num_attention_heads", 1) * tokens * tokens
 
 
 def default_budget(need_all: int, process: int) -> int:
