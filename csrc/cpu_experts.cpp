@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <condition_variable>
 #include <cstring>
-#include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <thread>

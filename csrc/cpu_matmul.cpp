@@ -1,8 +1,6 @@
 #include "cpu_matmul.h"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
