@@ -51,9 +51,12 @@ from .switch import Outstanding, StreamingSwitchGLU
 
 log = logging.getLogger(__name__)
 
-# glibc's mallopt parameter number, and the threshold set under a budget.
+# glibc's mallopt parameter number, and the threshold set under a budget
+# (what the kernels keep of a temporary, `kScratchKept` in csrc: smaller
+# buffers come from the heap and are reused, larger ones are mapped and
+# returned). docs/profile-cpu.md measures it.
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 1 << 20
+MMAP_THRESHOLD = 8 << 20
 
 
 # Cuts a lazily built model to the decoder layers one process runs; returns them.
@@ -362,7 +365,8 @@ def _bound_allocators(plan: MemoryPlan, scores_written: bool = True) -> None:
     share, plus the attention scores' share where no scores are written (the
     CPU kernel's exact attention). glibc raises its mmap threshold after
     large frees, so freed buffers stay in the heap and in RSS: pin the
-    threshold at 1 MiB. What each bound costs and saves: docs/profile-cpu.md.
+    threshold (MMAP_THRESHOLD). What each bound costs and saves:
+    docs/profile-cpu.md.
     Without a budget, nothing is bounded.
     """
     if plan.budget is None:
