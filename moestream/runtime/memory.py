@@ -61,9 +61,8 @@ class MemoryPlan:
     # its projections' weights dequantized to the compute dtype, twice. A fast
     # call dequantizes its layer's slots, one layer and one projection at a
     # time, and the dequantize and gather_mm make temporaries of their own
-    # (on a CPU, one more copy of a projection's weights, transposed):
-    # measured 0.9-1.4x one layer's dequantized slots above the exact path's
-    # peak (scripts/fast_memory.py, docs/memory-budget.md). `fast_scratch`.
+    # (on a CPU, one more copy of a projection's weights, transposed; what
+    # they measured: docs/memory-budget.md). `fast_scratch`.
     dequant_slot: int = 0
     # The attention scores' part of `activations` (`[heads, L, S]` float32 of
     # a prefill chunk): MLX's attention writes them; the CPU kernel's exact
