@@ -185,3 +185,20 @@ def test_mlx_cache_takes_the_scores_room_only_where_none_are_written(
         assert mx.set_cache_limit(0) == plan.activations // 4 + plan.scores
     finally:
         mx.set_cache_limit(saved)
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_prefill_leaves_no_layer_holding_its_output(demo: Path, engine) -> None:
+    """A layer orders its next call after its last host-routed one through a
+    one-element marker: a prefill's `[tokens, k, hidden]` output is not kept
+    in every layer until that layer's next call (outside the memory plan)."""
+    from moestream.runtime.switch import StreamingSwitchGLU
+
+    model, _ = moestream.load(demo, cache_experts=4, engine=engine)
+    layers = [m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)]
+    assert layers and all(m.capacity < m._layer.num_experts for m in layers)
+    mx.eval(model(mx.arange(1, 41)[None]))
+    held = [m._engine.last for m in layers]
+    assert all(h is not None for h in held)  # each layer ran a host-routed call
+    assert all(h.size == 1 for h in held), [h.shape for h in held]
+    runtime_of(model).store.close()
