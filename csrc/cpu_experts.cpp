@@ -542,7 +542,7 @@ void dequant_chunk(const Matrix& m, int64_t r0, int64_t k0, int kc, float* dq) {
       bi[j] = m.biases + r * m.groups * size;
     }
     // Sixty-four rows are more streams than the hardware prefetcher
-    // follows: ask for the words two chunks ahead.
+    // follows: ask for the words kPrefetchChunks chunks ahead.
     for (int j = 0; j < kLanes; j++) {
       __builtin_prefetch(row[j] + kPrefetchChunks * kChunk / 32 * bits);
     }
