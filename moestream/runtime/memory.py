@@ -87,6 +87,10 @@ class MemoryPlan:
         """What one more slot in every layer adds to the total."""
         return self.slot_bytes + self.dequant_slot
 
+    def total_with(self, capacity: int) -> int:
+        """The total with `capacity` slots in every layer instead."""
+        return self.total + (capacity - self.capacity) * self.per_slot
+
     @property
     def total(self) -> int:
         fixed = self.process + self.dense + self.kv_cache + self.activations
@@ -144,10 +148,7 @@ def reserve_for(budget: int | None) -> int:
 def least_budget(plan: MemoryPlan, capacity: int) -> int:
     """The smallest --memory-budget that holds `plan` with `capacity` slots per
     layer, the reserve's share of that budget included."""
-    return _budget_holding(
-        plan.total - plan.reserve - plan.capacity * plan.per_slot
-        + capacity * plan.per_slot
-    )  # fmt: skip
+    return _budget_holding(plan.total_with(capacity) - plan.reserve)
 
 
 def _text_config(config: dict) -> dict:
@@ -207,7 +208,7 @@ def _capacity_given(plan: MemoryPlan, cache_experts: int, least: int) -> int:
             f"experts per layer, more than {count(capacity, 'slot')}; give "
             f"--cache-experts {least} or more, or decode fewer at once."
         )
-    need = plan.total - plan.capacity * plan.per_slot + capacity * plan.per_slot
+    need = plan.total_with(capacity)
     if plan.budget is not None and need > plan.budget:
         least = human_bytes(least_budget(plan, capacity), up=True)
         raise BudgetError(
@@ -221,7 +222,7 @@ def _capacity_given(plan: MemoryPlan, cache_experts: int, least: int) -> int:
 def _capacity_fitting(plan: MemoryPlan, least: int) -> int:
     """The slots per layer that the budget leaves room for, at least `least`."""
     budget, slot = plan.budget or 0, plan.per_slot
-    fixed = plan.total - plan.capacity * slot
+    fixed = plan.total_with(0)
     capacity = min(plan.num_experts, max(budget - fixed, 0) // max(slot, 1))
     if capacity < least:
         seqs = f" for {plan.concurrency} sequences" if plan.concurrency > 1 else ""
