@@ -109,8 +109,8 @@ inline void transpose16(__m512i r[16]) {
 
 // Large temporaries of a kernel call, kept on the calling thread for the
 // next call: a fresh one would cost page faults each time (a memory budget
-// pins glibc's mmap threshold at 1 MiB, so every larger block is a new
-// mapping). One buffer per `Scratch` use, never zeroed; a call's parallel
+// pins glibc's mmap threshold at kScratchKept, loader.MMAP_THRESHOLD, so
+// every larger block is a new mapping). One buffer per `Scratch` use, never zeroed; a call's parallel
 // tasks use none of them. Up to kScratchKept bytes each are kept (a decode
 // step's, so that the process's memory stays within its plan); a larger
 // one (a long prompt's, whose page faults its arithmetic dwarfs) lives in

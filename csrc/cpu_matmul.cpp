@@ -82,6 +82,11 @@ TileFn tile_fn(int mr, int nv) {
 
 constexpr int64_t kBlockCols = kVecs * kLanes; // columns of one tile
 
+// n rounded up to whole vectors.
+inline int64_t whole_vectors(int64_t n) {
+  return (n + kLanes - 1) / kLanes * kLanes;
+}
+
 // Where b's (k, j) lies once packed: blocks of a tile's columns, each
 // `[K, kBlockCols]` (a plain `[K, np]`'s rows share an L1 set).
 inline int64_t packed_at(int64_t k, int64_t j, int64_t K) {
@@ -139,7 +144,7 @@ Operand prepare(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
                 bool transposed, float* buf) {
   Operand o{b, rs, K, N, false, false};
   if (transposed || cs != 1 || N % kLanes) {
-    pack(b, rs, cs, K, N, (N + kLanes - 1) / kLanes * kLanes, transposed, buf);
+    pack(b, rs, cs, K, N, whole_vectors(N), transposed, buf);
     o = {buf, kBlockCols, K, N, true, false};
   }
   // trailing zeros of a skipped only against a finite b
@@ -150,7 +155,7 @@ Operand prepare(const float* b, int64_t rs, int64_t cs, int64_t K, int64_t N,
 // A column block of b (L1's worth) at a time, under every tile of the rows;
 // written in place where N is whole vectors.
 void product(const Rows& r, const Operand& b, float* out) {
-  const int64_t N = b.N, np = (N + kLanes - 1) / kLanes * kLanes;
+  const int64_t N = b.N, np = whole_vectors(N);
   const bool in_place = np == N;
   std::vector<float> buf(in_place ? 0 : r.count * np);
   float* c = in_place ? out : buf.data();

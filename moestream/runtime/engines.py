@@ -124,8 +124,8 @@ class _Base:
     def issue(self, y: mx.array) -> mx.array:
         # `last` only orders our next call after this one: a one-element
         # array that waits for y, not y itself, which (a prefill's `[tokens,
-        # k, hidden]`, 32 MB a layer at 1024 tokens) would stay alive in
-        # every layer until that layer's next call.
+        # k, hidden]`) would stay alive in every layer until that layer's
+        # next call.
         self.last = mx.depends([mx.zeros((1,), y.dtype)], [y])[0]
         self.outstanding.arrays.append(y)
         mx.async_eval(self.last)  # compute y while Python builds the next layer
