@@ -57,9 +57,7 @@ def _masked(
     scores: mx.array, mask: Any, queries: mx.array, keys: mx.array, rep: int
 ) -> mx.array:
     """The fallback's mask step on `[B, Hkv, rep, L, S]` scores for an array
-    mask (a causal one is exact_attention's own)."""
-    if mask is None:
-        return scores
+    mask (none, or a causal one, is exact_attention's)."""
     low = mx.array(mx.finfo(mx.float32).min, mx.float32)
     if mask.dtype != mx.bool_:
         mask = mask.astype(mx.float32)
