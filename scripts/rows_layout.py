@@ -85,7 +85,8 @@ void rows_stored(const Mat& m, int r0, const float* x, float* out) {
       for (int j = 0; j < 16; j++) {
         const uint32_t* row = m.w + int64_t(r0 + 16 * v + j) * kWords + w0;
         r[j] = _mm512_loadu_si512(row);
-        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(row + ahead), _MM_HINT_T1);
+        if (ahead)
+          _mm_prefetch(reinterpret_cast<const char*>(row + ahead), _MM_HINT_T1);
       }
       transpose16(r);
       for (int i = 0; i < 16; i++) ring[v][i] = VU(r[i]);
@@ -95,7 +96,8 @@ void rows_stored(const Mat& m, int r0, const float* x, float* out) {
       const float* xc = x + (w0 / kBits + c) * 32;
       [&]<int... I>(std::integer_sequence<int, I...>) {
         ((acc[0] = step<I>(acc[0], ring[0] + c * kBits, gs[0][g], gb[0][g], xc[I]),
-          acc[1] = step<I>(acc[1], ring[1] + c * kBits, gs[1][g], gb[1][g], xc[I])), ...);
+          acc[1] = step<I>(acc[1], ring[1] + c * kBits, gs[1][g], gb[1][g], xc[I])),
+         ...);
       }(std::make_integer_sequence<int, 32>{});
     }
   }
@@ -106,7 +108,8 @@ void rows_stored(const Mat& m, int r0, const float* x, float* out) {
 // The same rows blocked: word w of block k's sixteen rows at (k * kWords + w) * 16.
 void rows_blocked(const Mat& m, int r0, const float* x, float* out) {
   VF acc[2] = {};
-  const uint32_t* blk[2] = {m.w + int64_t(r0) * kWords, m.w + int64_t(r0 + 16) * kWords};
+  const uint32_t* blk[2] = {m.w + int64_t(r0) * kWords,
+                            m.w + int64_t(r0 + 16) * kWords};
   const float* s[2] = {m.s + r0 * kGroups, m.s + (r0 + 16) * kGroups};
   const float* b[2] = {m.b + r0 * kGroups, m.b + (r0 + 16) * kGroups};
   const int64_t ahead = r0 + 32 < kRows ? 32 * kWords : 0;
@@ -120,7 +123,8 @@ void rows_blocked(const Mat& m, int r0, const float* x, float* out) {
       std::memcpy(&bv[v], b[v] + g * 16, 64);
       if (ahead) {
         for (int l = 0; l < kBits; l++) {
-          _mm_prefetch(reinterpret_cast<const char*>(blk[v] + ahead + (c * kBits + l) * 16), _MM_HINT_T1);
+          const uint32_t* next = blk[v] + ahead + (c * kBits + l) * 16;
+          _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
         }
       }
     }
@@ -138,7 +142,8 @@ int main(int argc, char** argv) {
   int mats = atoi(argv[1]), threads = atoi(argv[2]), passes = atoi(argv[3]);
   std::mt19937 rng(7);
   std::vector<uint32_t> W(size_t(mats) * kRows * kWords), Wb(W.size());
-  std::vector<float> S(size_t(mats) * kRows * kGroups), B(S.size()), Sb(S.size()), Bb(S.size());
+  std::vector<float> S(size_t(mats) * kRows * kGroups), B(S.size());
+  std::vector<float> Sb(S.size()), Bb(S.size());
   for (auto& v : W) v = rng();
   for (size_t i = 0; i < S.size(); i++) {
     S[i] = 1e-3f * float(rng() % 1000 + 1);
@@ -165,7 +170,8 @@ int main(int argc, char** argv) {
         size_t wo = size_t(m) * kRows * kWords, so = size_t(m) * kRows * kGroups;
         Mat mat = blocked ? Mat{Wb.data() + wo, Sb.data() + so, Bb.data() + so}
                           : Mat{W.data() + wo, S.data() + so, B.data() + so};
-        (blocked ? rows_blocked : rows_stored)(mat, r0, x.data(), out + size_t(m) * kRows);
+        auto rows = blocked ? rows_blocked : rows_stored;
+        rows(mat, r0, x.data(), out + size_t(m) * kRows);
       }
     };
     std::vector<std::thread> pool;
@@ -181,7 +187,8 @@ int main(int argc, char** argv) {
     for (int blocked = 0; blocked < 2; blocked++) {
       auto t0 = std::chrono::steady_clock::now();
       pass(blocked, blocked ? outb.data() : outs.data());
-      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      auto t1 = std::chrono::steady_clock::now();
+      double s = std::chrono::duration<double>(t1 - t0).count();
       double gw = double(mats) * kRows * kCols / s / 1e9;
       best[blocked] = best[blocked] > gw ? best[blocked] : gw;
     }
@@ -216,7 +223,9 @@ def main() -> None:
     ap.add_argument("--matrices", type=int, default=256)
     args = ap.parse_args()
     if not avx512():
-        raise SystemExit("rows_layout: the blocked loop is written for AVX-512; this CPU has none")
+        raise SystemExit(
+            "rows_layout: the blocked loop is written for AVX-512; this CPU has none"
+        )
     cores = os.cpu_count() or 1
     runs: dict[int, list[tuple[float, float]]] = {1: [], cores: []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -234,9 +243,13 @@ def main() -> None:
                 runs[threads].append((float(out[0]), float(out[1])))
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout
     print(f"load: {uptime.strip()}")
-    print(f"{args.matrices} projections of 512 x 1024 (4-bit, groups of 64), "
-          f"{args.rounds} rounds, medians; sums equal bit for bit")
-    print("| threads | as stored, G weights/s | blocked, G weights/s | blocked x stored |")
+    print(
+        f"{args.matrices} projections of 512 x 1024 (4-bit, groups of 64), "
+        f"{args.rounds} rounds, medians; sums equal bit for bit"
+    )
+    print(
+        "| threads | as stored, G weights/s | blocked, G weights/s | blocked x stored |"
+    )
     print("|---|---|---|---|")
     for threads, r in runs.items():
         stored = statistics.median(a for a, _ in r)
