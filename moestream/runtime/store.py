@@ -116,6 +116,22 @@ def writable_view(a: mx.array) -> np.ndarray:
     return np.frombuffer(memoryview(a), RAW_DTYPES[a.dtype.size]).reshape(a.shape)
 
 
+def blocked(a: np.ndarray, lanes: int) -> np.ndarray:
+    """`a` `[..., rows, cols]` as the CPU kernel's blocked slots hold it
+    (csrc/cpu_experts.h): `lanes` rows at a time, element c of those rows side
+    by side (`[..., rows / lanes, cols, lanes]`), in `a`'s shape."""
+    *lead, rows, cols = a.shape
+    b = a.reshape(*lead, rows // lanes, lanes, cols).swapaxes(-1, -2)
+    return np.ascontiguousarray(b).reshape(a.shape)
+
+
+def unblocked(a: np.ndarray, lanes: int) -> np.ndarray:
+    """`blocked`'s inverse: the rows of a blocked `[..., rows, cols]` array."""
+    *lead, rows, cols = a.shape
+    b = a.reshape(*lead, rows // lanes, cols, lanes).swapaxes(-1, -2)
+    return np.ascontiguousarray(b).reshape(a.shape)
+
+
 class SlotFiller:
     """Reads expert records straight into slot arrays: one preadv per expert.
 
