@@ -115,7 +115,8 @@ NB_MODULE(_native, m) {
              int64_t data_offset,
              int64_t stride, int64_t record_nbytes, int num_experts,
              int capacity,
-             const std::vector<std::tuple<int64_t, int64_t, int>>& segments,
+             const std::vector<std::tuple<int64_t, int64_t, int, int64_t,
+                                          int64_t>>& segments,
              std::vector<uint32_t> checksums, bool verify,
              const std::string& policy, double decay, int max_pairs,
              bool record_calls) {
@@ -123,8 +124,9 @@ NB_MODULE(_native, m) {
                 {path, layer, data_offset, stride, record_nbytes, num_experts},
                 capacity, {}, std::move(checksums), verify,
                 {policy == "lru", decay}, max_pairs, record_calls};
-            for (auto& [offset, nbytes, cast] : segments) {
-              config.segments.push_back({offset, nbytes, moestream::Cast(cast)});
+            for (auto& [offset, nbytes, cast, rows, row_bytes] : segments) {
+              config.segments.push_back(
+                  {offset, nbytes, moestream::Cast(cast), rows, row_bytes});
             }
             return std::make_shared<ExpertCache>(std::move(config));
           }),

@@ -2,6 +2,9 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <vector>
+
+#include "cpu_experts.h"
 
 namespace moestream {
 
@@ -20,6 +23,13 @@ void SlotArrays::bind(std::vector<mlx::core::array> s, bool gpu_slots,
         int64_t(s[i].nbytes() / s[i].shape(0)) != bytes) {
       throw std::invalid_argument("a slot array does not match its segment");
     }
+    if (seg.rows && (gpu_slots || s[i].itemsize() != 4 ||
+                     seg.rows % kernel_lanes() || seg.row_bytes % 4 ||
+                     seg.rows * seg.row_bytes != bytes)) {
+      throw std::invalid_argument(
+          "a blocked segment needs CPU slots of 4-byte elements, its rows a "
+          "multiple of kernel_lanes()");
+    }
   }
   slots = std::move(s);
 }
@@ -31,7 +41,9 @@ void SlotArrays::fill_host(const uint8_t* record, int slot) {
     size_t slot_bytes = a.nbytes() / a.shape(0);
     uint8_t* dst = a.data<uint8_t>() + slot * slot_bytes;
     const uint8_t* src = record + seg.offset;
-    if (seg.cast == Cast::None) {
+    if (seg.rows) {
+      block_host(src, seg, dst);
+    } else if (seg.cast == Cast::None) {
       std::memcpy(dst, src, seg.nbytes);
     } else {
       cast_host(src, seg, dst);
@@ -44,6 +56,31 @@ void SlotArrays::cast_host(const uint8_t* src, const Segment& seg,
   int64_t n = seg.nbytes / cast_src_size(seg.cast);
   for (int64_t j = 0; j < n; j++) {
     cast_element(seg.cast, src, out, j);
+  }
+}
+
+// Row r, element c at (r / lanes * cols + c) * lanes + r % lanes: each row
+// (cast where it is stored otherwise) into a buffer, then a lane of its block.
+void SlotArrays::block_host(const uint8_t* src, const Segment& seg,
+                            uint8_t* out) {
+  const int64_t lanes = kernel_lanes(), cols = seg.row_bytes / 4;
+  const int64_t stored = seg.cast == Cast::None ? seg.row_bytes
+                                                : cols * cast_src_size(seg.cast);
+  std::vector<uint32_t> row(cols);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out);
+  for (int64_t r = 0; r < seg.rows; r++) {
+    const uint8_t* from = src + r * stored;
+    if (seg.cast == Cast::None) {
+      std::memcpy(row.data(), from, seg.row_bytes);
+    } else {
+      for (int64_t c = 0; c < cols; c++) {
+        cast_element(seg.cast, from, reinterpret_cast<uint8_t*>(row.data()), c);
+      }
+    }
+    uint32_t* to = dst + r / lanes * cols * lanes + r % lanes;
+    for (int64_t c = 0; c < cols; c++) {
+      to[c * lanes] = row[c];
+    }
   }
 }
 

@@ -2,7 +2,7 @@
 for bit: SwitchGLU over gather_qmm and mx.quantized_matmul, on every bit width
 and group size, one token and several, on slots as MLX holds them and blocked
 (the kernel's layout); and the streaming model with it against mlx-lm's
-resident model."""
+resident model, its slots blocked where the kernel computes every call."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 import moestream
 from moestream.runtime import Tuning, native
 from moestream.runtime.store import blocked, unblocked
+from moestream.runtime.switch import StreamingSwitchGLU
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="the native extension is not built here"
@@ -293,3 +294,48 @@ def test_streaming_model_with_kernel_bit_identical(
     theirs = logits_stepwise(reference, PROMPT, steps=8)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert mx.array_equal(a, b).item(), f"step {step} differs"
+
+
+def _streaming(model: nn.Module) -> dict[str, StreamingSwitchGLU]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)}
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_slots_blocked_where_the_kernel_runs(converted, reference, engine):
+    """With the kernel, every slot holds its expert blocked (each engine's
+    filler): un-blocked, the resident model's weights, scales and biases."""
+    model, _ = moestream.load(
+        converted, cache_experts=8, engine=engine, cpu_kernel=True
+    )
+    layers = _streaming(model)
+    assert layers and all(m.blocked and m._experts.blocked for m in layers.values())
+    logits_stepwise(model, PROMPT, steps=2)  # reads every expert into a slot
+    resident = dict(reference.named_modules())
+    lanes = native.kernel_lanes()
+    checked = 0
+    for name, m in layers.items():
+        table = m.slot_table()
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            for part in ("weight", "scales", "biases"):
+                slots = np.array(m._inner[proj][part])
+                theirs = np.array(resident[name][proj][part])
+                for expert in range(m.layer.num_experts):
+                    if table[expert] < m.capacity:
+                        ours = unblocked(slots[table[expert]], lanes)
+                        assert np.array_equal(ours, theirs[expert]), (name, proj)
+                        checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cpu_kernel": False},
+        {"cpu_kernel": True, "arithmetic": "fast"},
+        {"engine": "python"},  # MLX's ops by default on the reference path
+    ],
+)
+def test_slots_row_major_where_mlx_reads_them(converted, options):
+    model, _ = moestream.load(converted, cache_experts=3, **options)
+    layers = _streaming(model).values()
+    assert layers and not any(m.blocked for m in layers)

@@ -135,9 +135,11 @@ def expert_cache(
     *,
     verify: bool,
     tier: object | None = None,
+    blocked_slots: bool = False,
 ) -> object:
     """The native cache of one MoE layer over its evaluated slot arrays (mapped:
-    their dtypes only), with the plan's knobs."""
+    their dtypes only), with the plan's knobs; `blocked_slots`: it writes each
+    segment blocked, as the CPU kernel reads blocked slots (`blocked`)."""
     t, mapped = plan.tuning, plan.mapped
     require(plan.gpu)
     max_pairs = capacity
@@ -152,7 +154,9 @@ def expert_cache(
         num_experts=layer.num_experts,
         capacity=capacity,
         segments=[
-            (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
+            (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype), *_rows(seg, a))
+            if blocked_slots
+            else (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype), 0, 0)
             for seg, a in zip(layer.segments, slots, strict=True)
         ],
         checksums=[int(c, 16) for c in layer.checksums] if verify else [],
@@ -166,6 +170,12 @@ def expert_cache(
         cache.bind(slots, plan.gpu)
     _tune(cache, tier, t.device_resolve, t.readers, mapped)
     return cache
+
+
+def _rows(seg: object, slots: mx.array) -> tuple[int, int]:
+    """A blocked segment's rows and the slot bytes of one row."""
+    rows = seg.shape[0]  # type: ignore[attr-defined]
+    return rows, slots.nbytes // slots.shape[0] // rows
 
 
 def _tune(
