@@ -795,6 +795,32 @@ int kernel_lanes() {
   return kLanes;
 }
 
+void block_rows(const uint8_t* src, int64_t rows, int64_t cols,
+                uint32_t* dst) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+    const uint8_t* s = src + r0 * cols * 4;
+    uint32_t* d = dst + r0 * cols;
+    int64_t c0 = 0;
+#if defined(__AVX512F__)
+    for (; c0 + 16 <= cols; c0 += 16) { // sixteen rows' 16 words, turned
+      __m512i r[16];
+      for (int j = 0; j < 16; j++) {
+        r[j] = _mm512_loadu_si512(s + (j * cols + c0) * 4);
+      }
+      transpose16(r);
+      for (int i = 0; i < 16; i++) {
+        _mm512_storeu_si512(d + (c0 + i) * 16, r[i]);
+      }
+    }
+#endif
+    for (; c0 < cols; c0++) {
+      for (int j = 0; j < kLanes; j++) {
+        std::memcpy(d + c0 * kLanes + j, s + (j * cols + c0) * 4, 4);
+      }
+    }
+  }
+}
+
 void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
   pool().run(n, threads, fn);
 }

@@ -142,6 +142,11 @@ inline const float* row_major(const mx::array& a, std::vector<float>& tmp) {
 // The rows of one vector (16 with AVX-512, else 8): a blocked slot's block.
 int kernel_lanes();
 
+// `rows` rows of `cols` 4-byte words at `src` (row r at src + r * cols * 4)
+// into `dst` as a blocked slot holds them: word c of row r at
+// ((r / lanes) * cols + c) * lanes + r % lanes; rows % kernel_lanes() == 0.
+void block_rows(const uint8_t* src, int64_t rows, int64_t cols, uint32_t* dst);
+
 // SwitchGLU with SwiGLU on slots: out[t, j] = down(silu(gate(x_t)) * up(x_t))
 // with the experts of slot inds[t, j]. Inputs: x `[T, D]`, inds `[T, k]`,
 // then gate, up, down (weight, scales, biases) each. Output `[T, k, D]`.

@@ -59,29 +59,19 @@ void SlotArrays::cast_host(const uint8_t* src, const Segment& seg,
   }
 }
 
-// Row r, element c at (r / lanes * cols + c) * lanes + r % lanes: each row
-// (cast where it is stored otherwise) into a buffer, then a lane of its block.
+// Cast first where the segment is stored otherwise, then the kernel's
+// block_rows (cpu_experts.h).
 void SlotArrays::block_host(const uint8_t* src, const Segment& seg,
                             uint8_t* out) {
-  const int64_t lanes = kernel_lanes(), cols = seg.row_bytes / 4;
-  const int64_t stored = seg.cast == Cast::None ? seg.row_bytes
-                                                : cols * cast_src_size(seg.cast);
-  std::vector<uint32_t> row(cols);
+  const int64_t cols = seg.row_bytes / 4;
   uint32_t* dst = reinterpret_cast<uint32_t*>(out);
-  for (int64_t r = 0; r < seg.rows; r++) {
-    const uint8_t* from = src + r * stored;
-    if (seg.cast == Cast::None) {
-      std::memcpy(row.data(), from, seg.row_bytes);
-    } else {
-      for (int64_t c = 0; c < cols; c++) {
-        cast_element(seg.cast, from, reinterpret_cast<uint8_t*>(row.data()), c);
-      }
-    }
-    uint32_t* to = dst + r / lanes * cols * lanes + r % lanes;
-    for (int64_t c = 0; c < cols; c++) {
-      to[c * lanes] = row[c];
-    }
+  if (seg.cast == Cast::None) {
+    block_rows(src, seg.rows, cols, dst);
+    return;
   }
+  std::vector<uint32_t> cast(seg.rows * cols);
+  cast_host(src, seg, reinterpret_cast<uint8_t*>(cast.data()));
+  block_rows(reinterpret_cast<const uint8_t*>(cast.data()), seg.rows, cols, dst);
 }
 
 } // namespace moestream
