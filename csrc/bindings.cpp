@@ -115,7 +115,8 @@ NB_MODULE(_native, m) {
              int64_t data_offset,
              int64_t stride, int64_t record_nbytes, int num_experts,
              int capacity,
-             const std::vector<std::tuple<int64_t, int64_t, int>>& segments,
+             const std::vector<std::tuple<int64_t, int64_t, int, int64_t,
+                                          int64_t>>& segments,
              std::vector<uint32_t> checksums, bool verify,
              const std::string& policy, double decay, int max_pairs,
              bool record_calls) {
@@ -123,8 +124,9 @@ NB_MODULE(_native, m) {
                 {path, layer, data_offset, stride, record_nbytes, num_experts},
                 capacity, {}, std::move(checksums), verify,
                 {policy == "lru", decay}, max_pairs, record_calls};
-            for (auto& [offset, nbytes, cast] : segments) {
-              config.segments.push_back({offset, nbytes, moestream::Cast(cast)});
+            for (auto& [offset, nbytes, cast, rows, row_bytes] : segments) {
+              config.segments.push_back(
+                  {offset, nbytes, moestream::Cast(cast), rows, row_bytes});
             }
             return std::make_shared<ExpertCache>(std::move(config));
           }),
@@ -257,17 +259,22 @@ NB_MODULE(_native, m) {
       "expert_mlp",
       [](const mlx::core::array& x, const mlx::core::array& inds,
          const std::vector<mlx::core::array>& weights,
-         const std::vector<std::tuple<int, int>>& specs, int threads) {
+         const std::vector<std::tuple<int, int>>& specs, int threads,
+         bool blocked) {
         std::vector<moestream::QuantSpec> s;
         for (auto& [bits, group_size] : specs) {
           s.push_back({bits, group_size});
         }
-        return moestream::expert_mlp(x, inds, weights, s, threads);
+        return moestream::expert_mlp(x, inds, weights, s, threads, blocked);
       },
       "x"_a, "inds"_a, "weights"_a, "specs"_a, "threads"_a = 0,
+      "blocked"_a = false,
       "SwitchGLU with SwiGLU over slot arrays, bit for bit MLX's CPU ops; "
       "`weights` gate, up, down (weight, scales, biases), `specs` their "
-      "(bits, group_size); `threads` 0 uses every core.");
+      "(bits, group_size); `threads` 0 uses every core; `blocked`: the "
+      "slots hold each projection kernel_lanes() rows at a time.");
+  m.def("kernel_lanes", &moestream::kernel_lanes,
+        "The rows of one of the CPU kernel's vectors: a blocked slot's block.");
   m.def(
       "expert_mlp_mapped",
       [](const mlx::core::array& x, const mlx::core::array& experts,

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -102,7 +103,10 @@ Pool& pool() {
 // One projection of one expert: row r's packed values at w + r * row_bytes;
 // scales and biases stored as float32, or as bfloat16 / float16 where the
 // kernel reads a record in place (ExpertMlpMapped: each value widened exactly,
-// as the slot's cast would have written it).
+// as the slot's cast would have written it). A blocked matrix (a blocked
+// slot's, float32 scales only) holds its rows kLanes at a time: word w of row
+// r at ((r / kLanes) * words + w) * kLanes + r % kLanes, scale or bias g at
+// ((r / kLanes) * groups + g) * kLanes + r % kLanes.
 struct Matrix {
   const uint8_t* w;
   const uint8_t* scales;
@@ -110,6 +114,7 @@ struct Matrix {
   int64_t rows, cols, row_bytes, groups;
   int group_size;
   ScaleFormat format{ScaleFormat::F32};
+  bool blocked{false};
 };
 
 // Scale or bias i of a row, as float32: cast.h's widening, bit for bit.
@@ -151,6 +156,16 @@ inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
   return acc + x * d;
 }
 
+
+inline VF load_vf(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_vf(float* p, VF v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
 // The two vectors of sums of rows [r0, r0 + kRows), those before `rows`.
 inline void store_rows(float* out, int64_t r0, int64_t rows, VF acc0, VF acc1) {
@@ -353,6 +368,63 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
 
 #endif
 
+// rows_block on a blocked matrix: each vector's kLanes rows are one block, so
+// a chunk's `bits` words of every row are `bits` vectors as stored, and a
+// group's scales and biases one vector each: no turning. Each lane's
+// arithmetic is rows_block's, in its order. The next call's blocks are asked
+// for as these are read, their scales and biases now. A vector past the last
+// row reads the last block and is not stored.
+template <int bits>
+void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
+  const int64_t words = m.row_bytes / 4, chunks = m.cols / 32;
+  const int64_t last = m.rows / kLanes - 1;
+  const int per_group = m.group_size / 32;
+  const uint32_t* w[2];
+  const float *sc[2], *bi[2];
+  for (int v = 0; v < 2; v++) {
+    int64_t b = std::min(r0 / kLanes + v, last);
+    w[v] = reinterpret_cast<const uint32_t*>(m.w) + b * words * kLanes;
+    sc[v] = reinterpret_cast<const float*>(m.scales) + b * m.groups * kLanes;
+    bi[v] = reinterpret_cast<const float*>(m.biases) + b * m.groups * kLanes;
+  }
+  // Blocks are rows in order: the next call's scales and biases follow ours.
+  const int64_t ahead = r0 + kRows < m.rows ? kRows * words : 0;
+  if (ahead) {
+    const int64_t bytes = kRows * m.groups * 4;
+    const int64_t at = (r0 + kRows) * m.groups * 4;
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(m.scales + at + b, 0, 2);
+      __builtin_prefetch(m.biases + at + b, 0, 2);
+    }
+  }
+  VF acc0 = {}, acc1 = acc0, s0 = {}, s1 = {}, b0 = {}, b1 = {};
+  for (int64_t c = 0; c < chunks; c++) {
+    if (c % per_group == 0) {
+      int64_t g = c / per_group;
+      s0 = load_vf(sc[0] + g * kLanes), b0 = load_vf(bi[0] + g * kLanes);
+      s1 = load_vf(sc[1] + g * kLanes), b1 = load_vf(bi[1] + g * kLanes);
+    }
+    VU w0v[bits], w1v[bits];
+    std::memcpy(w0v, w[0] + c * bits * kLanes, sizeof w0v);
+    std::memcpy(w1v, w[1] + c * bits * kLanes, sizeof w1v);
+    if (ahead) {
+      const char* n0 = reinterpret_cast<const char*>(w[0] + ahead + c * bits * kLanes);
+      const char* n1 = reinterpret_cast<const char*>(w[1] + ahead + c * bits * kLanes);
+      for (int at = 0; at < int(sizeof w0v); at += 64) {
+        __builtin_prefetch(n0 + at, 0, 2);
+        __builtin_prefetch(n1 + at, 0, 2);
+      }
+    }
+    const float* xc = x + c * 32;
+    [&]<int... I>(std::integer_sequence<int, I...>) {
+      ((acc0 = step<bits, I>(acc0, w0v, s0, b0, xc[I]),
+        acc1 = step<bits, I>(acc1, w1v, s1, b1, xc[I])),
+       ...);
+    }(std::make_integer_sequence<int, 32>{});
+  }
+  store_rows(out, r0, m.rows, acc0, acc1);
+}
+
 using RowsFn = void (*)(const Matrix&, int64_t, const float*, float*);
 
 template <ScaleFormat F>
@@ -396,6 +468,14 @@ Matrix matrix(const mx::array& w, const mx::array& s, const mx::array& b,
   m.w = w.data<uint8_t>() + e * m.rows * m.row_bytes;
   m.scales = s.data<uint8_t>() + e * m.rows * m.groups * 4;
   m.biases = b.data<uint8_t>() + e * m.rows * m.groups * 4;
+  return m;
+}
+
+// Expert `e` of blocked slots (an expert's block is as large as its rows).
+Matrix blocked_matrix(const mx::array& w, const mx::array& s,
+                      const mx::array& b, QuantSpec spec, int64_t e) {
+  Matrix m = matrix(w, s, b, spec, e);
+  m.blocked = true;
   return m;
 }
 
@@ -457,16 +537,6 @@ constexpr int kTile = 4;                    // tokens whose sums stay in registe
 constexpr int64_t kTokenBlock = 256;        // tokens of one task, at most
 // Tokens on one matrix from which dequantizing once beats the fused rows.
 constexpr int64_t kMinTokens = 3;
-
-inline VF load_vf(const float* p) {
-  VF v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store_vf(float* p, VF v) {
-  std::memcpy(p, &v, sizeof v);
-}
 
 // w[i] (lane j) = row[j][i] for i in [0, n): each row's words read four at a
 // time (a masked load past n) and turned in registers, four rows a vector.
@@ -570,6 +640,47 @@ void dequant_chunk(const Matrix& m, int64_t r0, int64_t k0, int kc, float* dq) {
   }
 }
 
+// dequant_chunk on a blocked matrix: each vector's kLanes rows are one
+// block, its words and a group's scales and biases loaded as stored. The
+// block's words kPrefetchChunks chunks ahead are asked for.
+template <int bits>
+void dequant_blocked(const Matrix& m, int64_t r0, int64_t k0, int kc,
+                     float* dq) {
+  constexpr uint32_t mask = (1u << bits) - 1;
+  constexpr int kWords = kChunk / 32 * bits; // of one chunk, per row
+  const int64_t words = m.row_bytes / 4, last = m.rows / kLanes - 1;
+  for (int v = 0; v < kPanelVecs; v++) {
+    int64_t blk = std::min(r0 / kLanes + v, last);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(m.w) +
+                        (blk * words + k0 / 32 * bits) * kLanes;
+    const float* sc = reinterpret_cast<const float*>(m.scales) + blk * m.groups * kLanes;
+    const float* bi = reinterpret_cast<const float*>(m.biases) + blk * m.groups * kLanes;
+    const char* ahead =
+        reinterpret_cast<const char*>(w + kPrefetchChunks * kWords * kLanes);
+    for (int at = 0; at < kWords * kLanes * 4; at += 64) {
+      __builtin_prefetch(ahead + at);
+    }
+    VF s = {}, b = {};
+    int64_t last_group = -1;
+    for (int64_t k = k0; k < k0 + kc; k += 32) {
+      if (int64_t g = k / m.group_size; g != last_group) {
+        s = load_vf(sc + g * kLanes);
+        b = load_vf(bi + g * kLanes);
+        last_group = g;
+      }
+      VU wv[bits];
+      std::memcpy(wv, w + (k - k0) / 32 * bits * kLanes, sizeof wv);
+      float* out = dq + (k - k0) * kPanel + v * kLanes;
+      [&]<int... I>(std::integer_sequence<int, I...>) {
+        ((*reinterpret_cast<VF*>(out + I * kPanel) =
+              __builtin_convertvector(VI(unpack<bits, I>(wv) & mask), VF) * s +
+              b),
+         ...);
+      }(std::make_integer_sequence<int, 32>{});
+    }
+  }
+}
+
 // acc[t] (kPanel sums of token t) += x_t[k0 + k] * dq[k] for k in [0, kc), in
 // k order: TT tokens times kPanelVecs vectors of sums in registers.
 template <int TT>
@@ -601,14 +712,19 @@ void panel_tile(const float* dq, int kc, const float* const* xs, int64_t k0,
   }
 }
 
-// acc[t][j] = row r0 + j of m @ x_t for n tokens (acc zeroed: n * kPanel).
-template <int bits, ScaleFormat F>
+// acc[t][j] = row r0 + j of m @ x_t for n tokens (acc zeroed: n * kPanel);
+// `Blocked`: m is a blocked matrix.
+template <int bits, ScaleFormat F, bool Blocked = false>
 void panel_block(const Matrix& m, int64_t r0, int n, const float* const* xs,
                  float* acc) {
   alignas(64) float dq[kChunk * kPanel];
   for (int64_t k0 = 0; k0 < m.cols; k0 += kChunk) {
     int kc = int(std::min<int64_t>(kChunk, m.cols - k0));
-    dequant_chunk<bits, F>(m, r0, k0, kc, dq);
+    if constexpr (Blocked) {
+      dequant_blocked<bits>(m, r0, k0, kc, dq);
+    } else {
+      dequant_chunk<bits, F>(m, r0, k0, kc, dq);
+    }
     int t = 0;
     for (; t + kTile <= n; t += kTile) {
       panel_tile<kTile>(dq, kc, xs + t, k0, acc + t * kPanel);
@@ -651,11 +767,59 @@ struct Kernels {
   PanelFn panel;
 };
 
-Kernels kernels(int bits, ScaleFormat format = ScaleFormat::F32) {
-  return {rows_fn(bits, format), panel_fn(bits, format)};
+template <int bits>
+Kernels blocked_kernels() {
+  return {rows_blocked<bits>, panel_block<bits, ScaleFormat::F32, true>};
+}
+
+// The kernels of a row-major matrix, or of a blocked one (float32 scales).
+Kernels kernels(int bits, ScaleFormat format = ScaleFormat::F32,
+                bool blocked = false) {
+  if (!blocked) {
+    return {rows_fn(bits, format), panel_fn(bits, format)};
+  }
+  switch (bits) {
+    case 2: return blocked_kernels<2>();
+    case 3: return blocked_kernels<3>();
+    case 4: return blocked_kernels<4>();
+    case 5: return blocked_kernels<5>();
+    case 6: return blocked_kernels<6>();
+    case 8: return blocked_kernels<8>();
+  }
+  throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
 }
 
 } // namespace
+
+int kernel_lanes() {
+  return kLanes;
+}
+
+void block_rows(const uint8_t* src, int64_t rows, int64_t cols,
+                uint32_t* dst) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+    const uint8_t* s = src + r0 * cols * 4;
+    uint32_t* d = dst + r0 * cols;
+    int64_t c0 = 0;
+#if defined(__AVX512F__)
+    for (; c0 + 16 <= cols; c0 += 16) { // sixteen rows' 16 words, turned
+      __m512i r[16];
+      for (int j = 0; j < 16; j++) {
+        r[j] = _mm512_loadu_si512(s + (j * cols + c0) * 4);
+      }
+      transpose16(r);
+      for (int i = 0; i < 16; i++) {
+        _mm512_storeu_si512(d + (c0 + i) * 16, r[i]);
+      }
+    }
+#endif
+    for (; c0 < cols; c0++) {
+      for (int j = 0; j < kLanes; j++) {
+        std::memcpy(d + c0 * kLanes + j, s + (j * cols + c0) * 4, 4);
+      }
+    }
+  }
+}
 
 void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
   pool().run(n, threads, fn);
@@ -815,7 +979,8 @@ static void run_calls(const float* x, const uint32_t* key, uint32_t keys,
 }
 
 static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
-                           const std::vector<QuantSpec>& specs, int threads) {
+                           const std::vector<QuantSpec>& specs, int threads,
+                           bool blocked) {
   const auto& x = in[0];
   const auto& inds = in[1];
   int64_t pairs = inds.size(), k = inds.shape(-1), d_in = x.shape(-1);
@@ -829,14 +994,17 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
       throw std::out_of_range("moestream kernel: a slot id past the slots");
     }
   }
-  const Kernels fn[3] = {kernels(specs[0].bits), kernels(specs[1].bits),
-                         kernels(specs[2].bits)};
+  const auto f32 = ScaleFormat::F32;
+  const Kernels fn[3] = {kernels(specs[0].bits, f32, blocked),
+                         kernels(specs[1].bits, f32, blocked),
+                         kernels(specs[2].bits, f32, blocked)};
+  auto of = blocked ? blocked_matrix : matrix;
   std::vector<float> xt;
   run_calls(
       row_major(x, xt), slot, slots, pairs, k, d_in, hidden, d_out,
       [&](int p, int64_t pair) {
-        return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
-                      slot[pair]);
+        return of(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
+                  slot[pair]);
       },
       fn, out.data<float>(), threads);
 }
@@ -899,14 +1067,15 @@ void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,
                          std::vector<mx::array>& outputs) {
   dispatch(stream(), inputs, outputs[0],
            [inputs, out = outputs[0], specs = specs_,
-            threads = threads_or_all(threads_)]() mutable {
-             expert_mlp_run(inputs, out, specs, threads);
+            threads = threads_or_all(threads_), blocked = blocked_]() mutable {
+             expert_mlp_run(inputs, out, specs, threads, blocked);
            });
 }
 
 bool ExpertMlp::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const ExpertMlp&>(other);
-  return specs_ == o.specs_ && threads_ == o.threads_;
+  return specs_ == o.specs_ && threads_ == o.threads_ &&
+         blocked_ == o.blocked_;
 }
 
 void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
@@ -977,7 +1146,8 @@ static void check_float32(const mx::array& a, const char* what) {
 
 mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      const std::vector<mx::array>& weights,
-                     const std::vector<QuantSpec>& specs, int threads) {
+                     const std::vector<QuantSpec>& specs, int threads,
+                     bool blocked) {
   if (weights.size() != 9 || specs.size() != 3) {
     throw std::invalid_argument(
         "moestream kernel: gate, up, down (weight, scales, biases) expected");
@@ -996,6 +1166,11 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
     check_spec(specs[p], weights[3 * p].shape(-1) * 32 / specs[p].bits);
     check_float32(weights[3 * p + 1], "scales");
     check_float32(weights[3 * p + 2], "biases");
+    if (blocked && weights[3 * p].shape(-2) % kLanes) {
+      throw std::invalid_argument(
+          "moestream kernel: blocked slots need rows in multiples of " +
+          std::to_string(kLanes));
+    }
   }
   for (auto& w : weights) {
     inputs.push_back(row_contiguous(w, s));
@@ -1003,7 +1178,7 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
   auto shape = inds.shape();
   shape.push_back(weights[6].shape(-2));
   return mx::array(shape, mx::float32,
-                   std::make_shared<ExpertMlp>(s, specs, threads),
+                   std::make_shared<ExpertMlp>(s, specs, threads, blocked),
                    std::move(inputs));
 }
 

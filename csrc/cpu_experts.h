@@ -139,13 +139,29 @@ inline const float* row_major(const mx::array& a, std::vector<float>& tmp) {
   return tmp.data();
 }
 
+// The rows of one vector (16 with AVX-512, else 8): a blocked slot's block.
+int kernel_lanes();
+
+// `rows` rows of `cols` 4-byte words at `src` (row r at src + r * cols * 4)
+// into `dst` as a blocked slot holds them: word c of row r at
+// ((r / lanes) * cols + c) * lanes + r % lanes; rows % kernel_lanes() == 0.
+void block_rows(const uint8_t* src, int64_t rows, int64_t cols, uint32_t* dst);
+
 // SwitchGLU with SwiGLU on slots: out[t, j] = down(silu(gate(x_t)) * up(x_t))
 // with the experts of slot inds[t, j]. Inputs: x `[T, D]`, inds `[T, k]`,
 // then gate, up, down (weight, scales, biases) each. Output `[T, k, D]`.
+// Blocked slots hold each projection kernel_lanes() rows at a time: an
+// expert's weights `[rows / lanes, words, lanes]` (word w of a block's rows
+// side by side), its float32 scales and biases `[rows / lanes, groups,
+// lanes]`, in arrays of the row-major shapes.
 class ExpertMlp : public CpuKernel {
  public:
-  ExpertMlp(mx::Stream s, std::vector<QuantSpec> specs, int threads)
-      : CpuKernel(s), specs_(std::move(specs)), threads_(threads) {}
+  ExpertMlp(mx::Stream s, std::vector<QuantSpec> specs, int threads,
+            bool blocked)
+      : CpuKernel(s),
+        specs_(std::move(specs)),
+        threads_(threads),
+        blocked_(blocked) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -156,6 +172,7 @@ class ExpertMlp : public CpuKernel {
  private:
   std::vector<QuantSpec> specs_; // gate, up, down
   int threads_;
+  bool blocked_;
 };
 
 // x `[..., K]` @ dequantized(w `[N, K * bits / 32]`).T: mx.quantized_matmul
@@ -210,7 +227,8 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
 
 mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      const std::vector<mx::array>& weights,
-                     const std::vector<QuantSpec>& specs, int threads);
+                     const std::vector<QuantSpec>& specs, int threads,
+                     bool blocked = false);
 mx::array quant_matmul(const mx::array& x, const mx::array& w,
                        const mx::array& scales, const mx::array& biases,
                        QuantSpec spec, int threads);

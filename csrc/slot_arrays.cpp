@@ -2,6 +2,9 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <vector>
+
+#include "cpu_experts.h"
 
 namespace moestream {
 
@@ -20,6 +23,13 @@ void SlotArrays::bind(std::vector<mlx::core::array> s, bool gpu_slots,
         int64_t(s[i].nbytes() / s[i].shape(0)) != bytes) {
       throw std::invalid_argument("a slot array does not match its segment");
     }
+    if (seg.rows && (gpu_slots || s[i].itemsize() != 4 ||
+                     seg.rows % kernel_lanes() || seg.row_bytes % 4 ||
+                     seg.rows * seg.row_bytes != bytes)) {
+      throw std::invalid_argument(
+          "a blocked segment needs CPU slots of 4-byte elements, its rows a "
+          "multiple of kernel_lanes()");
+    }
   }
   slots = std::move(s);
 }
@@ -31,7 +41,9 @@ void SlotArrays::fill_host(const uint8_t* record, int slot) {
     size_t slot_bytes = a.nbytes() / a.shape(0);
     uint8_t* dst = a.data<uint8_t>() + slot * slot_bytes;
     const uint8_t* src = record + seg.offset;
-    if (seg.cast == Cast::None) {
+    if (seg.rows) {
+      block_host(src, seg, dst);
+    } else if (seg.cast == Cast::None) {
       std::memcpy(dst, src, seg.nbytes);
     } else {
       cast_host(src, seg, dst);
@@ -45,6 +57,21 @@ void SlotArrays::cast_host(const uint8_t* src, const Segment& seg,
   for (int64_t j = 0; j < n; j++) {
     cast_element(seg.cast, src, out, j);
   }
+}
+
+// Cast first where the segment is stored otherwise, then the kernel's
+// block_rows (cpu_experts.h).
+void SlotArrays::block_host(const uint8_t* src, const Segment& seg,
+                            uint8_t* out) {
+  const int64_t cols = seg.row_bytes / 4;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out);
+  if (seg.cast == Cast::None) {
+    block_rows(src, seg.rows, cols, dst);
+    return;
+  }
+  std::vector<uint32_t> cast(seg.rows * cols);
+  cast_host(src, seg, reinterpret_cast<uint8_t*>(cast.data()));
+  block_rows(reinterpret_cast<const uint8_t*>(cast.data()), seg.rows, cols, dst);
 }
 
 } // namespace moestream

@@ -15,6 +15,12 @@ struct Segment {
   int64_t offset; // inside the record
   int64_t nbytes; // stored bytes of one expert
   Cast cast; // how the stored floats become the slot's (cast.h)
+  // A blocked segment (the CPU kernel's blocked slots, cpu_experts.h): its
+  // `rows` rows of `row_bytes` slot bytes (4-byte elements) are written
+  // kernel_lanes() rows at a time, element c of a block's rows side by side.
+  // 0: rows as stored.
+  int64_t rows{0};
+  int64_t row_bytes{0};
 };
 
 class SlotArrays {
@@ -27,6 +33,8 @@ class SlotArrays {
   void fill_host(const uint8_t* record, int slot);
   // A stored float segment in the slot's float dtype, at `out` (cast.h).
   static void cast_host(const uint8_t* src, const Segment& seg, uint8_t* out);
+  // A blocked segment's slot at `out`, cast where it is stored otherwise.
+  static void block_host(const uint8_t* src, const Segment& seg, uint8_t* out);
 
   const std::vector<Segment> segments;
   std::vector<mlx::core::array> slots;

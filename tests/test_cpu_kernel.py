@@ -1,7 +1,8 @@
 """The extension's CPU kernel (csrc/cpu_experts.h) against MLX's own ops, bit
 for bit: SwitchGLU over gather_qmm and mx.quantized_matmul, on every bit width
-and group size, one token and several; and the streaming model with it against
-mlx-lm's resident model."""
+and group size, one token and several, on slots as MLX holds them and blocked
+(the kernel's layout); and the streaming model with it against mlx-lm's
+resident model, its slots blocked where the kernel computes every call."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from helpers import PROMPT, logits_stepwise
 from mlx_lm.models.switch_layers import SwitchGLU
 
 import moestream
 from moestream.runtime import Tuning, native
+from moestream.runtime.store import blocked, unblocked
+from moestream.runtime.switch import StreamingSwitchGLU
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="the native extension is not built here"
@@ -35,11 +39,23 @@ def _switch(d: int, hidden: int, experts: int, specs: list[tuple[int, int]]):
     return glu
 
 
-def _kernel(glu: SwitchGLU, x: mx.array, inds: mx.array, threads: int = 0):
+def _kernel(
+    glu: SwitchGLU,
+    x: mx.array,
+    inds: mx.array,
+    threads: int = 0,
+    rows_blocked: bool = False,
+):
+    """The kernel on `glu`'s weights; `rows_blocked`: blocked first, as blocked
+    slots hold them."""
     projections = [glu.gate_proj, glu.up_proj, glu.down_proj]
     weights = [a for p in projections for a in (p.weight, p.scales, p.biases)]
+    if rows_blocked:
+        weights = native.blocked_arrays(weights)
     specs = [(p.bits, p.group_size) for p in projections]
-    return native._native.expert_mlp(x, inds, weights, specs, threads)
+    return native._native.expert_mlp(
+        x, inds, weights, specs, threads, blocked=rows_blocked
+    )
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -79,6 +95,86 @@ def test_prefill_panels_equal_switch_glu(bits, group_size):
     inds[0, 7, 2] = 5  # expert 5: one pair only
     ours, theirs = _kernel(glu, x, inds), glu(x, inds)
     assert mx.array_equal(ours, theirs).item()
+
+
+def test_blocked_layout_is_the_kernels():
+    """blocked() puts row r's element c at (r / lanes * cols + c) * lanes +
+    r % lanes, and unblocked() undoes it."""
+    lanes = 4
+    a = np.arange(2 * 8 * 3).reshape(2, 8, 3)
+    b = blocked(a, lanes)
+    assert b.shape == a.shape
+    flat = b.reshape(2, -1)
+    for r in range(8):
+        for c in range(3):
+            assert flat[1, (r // lanes * 3 + c) * lanes + r % lanes] == a[1, r, c]
+    assert np.array_equal(unblocked(b, lanes), a)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 17, 130])
+def test_blocked_expert_mlp_equals_switch_glu(bits, group_size, tokens):
+    """Blocked slots: decode's rows (1, 2 tokens) and prefill's panels (3 and
+    more an expert), 1 thread and 2, MLX's bits. With groups of 32 the
+    rows end in a partial panel and task (not a multiple of 64)."""
+    mx.random.seed(bits * 1000 + group_size + tokens + 7)
+    d, hidden = {32: (224, 352), 64: (192, 320), 128: (256, 384)}[group_size]
+    glu = _switch(d, hidden, 6, [(bits, group_size)] * 3)
+    x = mx.random.normal((1, tokens, d))
+    inds = mx.random.randint(0, 6, (1, tokens, 4)).astype(mx.uint32)
+    theirs = glu(x, inds)
+    for threads in (1, 2):
+        ours = _kernel(glu, x, inds, threads, rows_blocked=True)
+        assert mx.array_equal(ours, theirs).item()
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 17, 130])
+def test_blocked_mixed_bits_equal_switch_glu(tokens):
+    """Per-projection bits and group sizes on blocked slots."""
+    mx.random.seed(tokens + 50)
+    glu = _switch(128, 224, 5, [(4, 64), (3, 32), (6, 32)])
+    x = mx.random.normal((tokens, 128))
+    inds = mx.random.randint(0, 5, (tokens, 3)).astype(mx.uint32)
+    theirs = glu(x, inds)
+    for threads in (1, 2):
+        ours = _kernel(glu, x, inds, threads, rows_blocked=True)
+        assert mx.array_equal(ours, theirs).item()
+    # the layout matters: rows read as blocks are other values
+    wrong = native._native.expert_mlp(
+        x,
+        inds,
+        [a for n in ("gate_proj", "up_proj", "down_proj") for a in _arrays(glu[n])],
+        [(4, 64), (3, 32), (6, 32)],
+        1,
+        blocked=True,
+    )
+    assert not mx.array_equal(wrong, theirs).item()
+
+
+def _arrays(p: nn.Module) -> list[mx.array]:
+    return [p.weight, p.scales, p.biases]
+
+
+def test_blocked_rows_must_fill_blocks():
+    """A blocked call on rows that are not a multiple of the lanes: one line."""
+    w = []
+    for rows in (36, 36, 64):
+        w += mx.quantize(mx.zeros((2, rows, 64)), 32, 4)
+    x, inds = mx.zeros((1, 64)), mx.zeros((1, 1), mx.uint32)
+    lanes = native.kernel_lanes()
+    assert 36 % lanes
+    with pytest.raises(ValueError, match=f"multiples of {lanes}"):
+        native._native.expert_mlp(x, inds, w, [(4, 32)] * 3, 1, blocked=True)
+
+
+def test_blocked_kernel_never_falls_back_to_mlx():
+    """MLX's gather_qmm would read blocked slots as rows: a call the kernel
+    does not take raises instead."""
+    glu = _switch(64, 64, 2, [(4, 32)] * 3)
+    kernel = native.ExpertKernel(glu, 1, blocked=True)
+    with pytest.raises(native.NativeEngineError, match="blocked"):
+        kernel(mx.zeros((1, 64), mx.float16), mx.zeros((1, 1), mx.uint32))
 
 
 @pytest.mark.parametrize("tokens", [2, 3, 4, 7, 256, 300, 4096])
@@ -198,3 +294,48 @@ def test_streaming_model_with_kernel_bit_identical(
     theirs = logits_stepwise(reference, PROMPT, steps=8)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert mx.array_equal(a, b).item(), f"step {step} differs"
+
+
+def _streaming(model: nn.Module) -> dict[str, StreamingSwitchGLU]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)}
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_slots_blocked_where_the_kernel_runs(converted, reference, engine):
+    """With the kernel, every slot holds its expert blocked (each engine's
+    filler): un-blocked, the resident model's weights, scales and biases."""
+    model, _ = moestream.load(
+        converted, cache_experts=8, engine=engine, cpu_kernel=True
+    )
+    layers = _streaming(model)
+    assert layers and all(m.blocked and m._experts.blocked for m in layers.values())
+    logits_stepwise(model, PROMPT, steps=2)  # reads every expert into a slot
+    resident = dict(reference.named_modules())
+    lanes = native.kernel_lanes()
+    checked = 0
+    for name, m in layers.items():
+        table = m.slot_table()
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            for part in ("weight", "scales", "biases"):
+                slots = np.array(m._inner[proj][part])
+                theirs = np.array(resident[name][proj][part])
+                for expert in range(m.layer.num_experts):
+                    if table[expert] < m.capacity:
+                        ours = unblocked(slots[table[expert]], lanes)
+                        assert np.array_equal(ours, theirs[expert]), (name, proj)
+                        checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cpu_kernel": False},
+        {"cpu_kernel": True, "arithmetic": "fast"},
+        {"engine": "python"},  # MLX's ops by default on the reference path
+    ],
+)
+def test_slots_row_major_where_mlx_reads_them(converted, options):
+    model, _ = moestream.load(converted, cache_experts=3, **options)
+    layers = _streaming(model).values()
+    assert layers and not any(m.blocked for m in layers)

@@ -153,13 +153,15 @@ class PythonEngine(_Base):
         stats: RuntimeStats,
         outstanding: Outstanding,
         plan: ExecutionPlan,
+        blocked: bool = False,
     ) -> None:
         super().__init__(layer, stats, outstanding)
         self.store = store
         t = plan.tuning
         self.pool = SlotPool(capacity, layer.num_experts, t.policy, t.lrfu_decay)
         # host views of the slots (on a GPU they become managed memory)
-        self.filler = SlotFiller(store, layer, slots)
+        lanes = native.kernel_lanes() if blocked else 0
+        self.filler = SlotFiller(store, layer, slots, lanes)
 
     def slots(self, x: mx.array, indices: mx.array) -> mx.array:
         r = self.route(indices)
@@ -233,12 +235,20 @@ class NativeEngine(_Base):
         outstanding: Outstanding,
         plan: ExecutionPlan,
         tier: object | None,
+        blocked: bool = False,
     ) -> None:
         super().__init__(layer, stats, outstanding)
         self.capacity = capacity
         path = store.readers[layer.layer].path
         self.cache = native.expert_cache(
-            path, layer, slots, capacity, plan, verify=store.verify, tier=tier
+            path,
+            layer,
+            slots,
+            capacity,
+            plan,
+            verify=store.verify,
+            tier=tier,
+            blocked_slots=blocked,
         )
         stats.native.append(self.cache)
         stats.native_layers[layer.layer] = self.cache
@@ -295,7 +305,11 @@ def make_engine(
     stats: RuntimeStats,
     outstanding: Outstanding,
     tier: object | None,
+    blocked: bool = False,
 ) -> Engine:
-    """The plan's engine for one layer: the backend chose it, once."""
+    """The plan's engine for one layer: the backend chose it, once. `blocked`:
+    it writes the slots as the CPU kernel's blocked slots hold them."""
     args = (layer, store, slots, capacity, stats, outstanding, plan)
-    return NativeEngine(*args, tier) if plan.native else PythonEngine(*args)
+    if plan.native:
+        return NativeEngine(*args, tier, blocked=blocked)
+    return PythonEngine(*args, blocked=blocked)

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
 from ..formats import ExpertLayer
-from .store import ExpertReadError
+from .store import ExpertReadError, blocked
 
 if TYPE_CHECKING:  # the plan imports this module to choose the backend
     from .backend import ExecutionPlan
@@ -134,9 +135,11 @@ def expert_cache(
     *,
     verify: bool,
     tier: object | None = None,
+    blocked_slots: bool = False,
 ) -> object:
     """The native cache of one MoE layer over its evaluated slot arrays (mapped:
-    their dtypes only), with the plan's knobs."""
+    their dtypes only), with the plan's knobs; `blocked_slots`: it writes each
+    segment blocked, as the CPU kernel reads blocked slots (`blocked`)."""
     t, mapped = plan.tuning, plan.mapped
     require(plan.gpu)
     max_pairs = capacity
@@ -151,7 +154,9 @@ def expert_cache(
         num_experts=layer.num_experts,
         capacity=capacity,
         segments=[
-            (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype))
+            (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype), *_rows(seg, a))
+            if blocked_slots
+            else (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype), 0, 0)
             for seg, a in zip(layer.segments, slots, strict=True)
         ],
         checksums=[int(c, 16) for c in layer.checksums] if verify else [],
@@ -165,6 +170,12 @@ def expert_cache(
         cache.bind(slots, plan.gpu)
     _tune(cache, tier, t.device_resolve, t.readers, mapped)
     return cache
+
+
+def _rows(seg: object, slots: mx.array) -> tuple[int, int]:
+    """A blocked segment's rows and the slot bytes of one row."""
+    rows = seg.shape[0]  # type: ignore[attr-defined]
+    return rows, slots.nbytes // slots.shape[0] // rows
 
 
 def _tune(
@@ -238,12 +249,25 @@ def agrees_with_mlx(what: str, pairs: Iterable[tuple[mx.array, mx.array]]) -> bo
     return True
 
 
+def kernel_lanes() -> int:
+    """The rows of one of the CPU kernel's vectors (16 with AVX-512, else 8):
+    the block of a blocked slot."""
+    return _native.kernel_lanes()
+
+
+def blocked_arrays(arrays: list[mx.array]) -> list[mx.array]:
+    """Stacked expert arrays `[E, rows, cols]` as blocked slots hold them."""
+    lanes = kernel_lanes()
+    return [mx.array(blocked(np.array(a), lanes)) for a in arrays]
+
+
 @functools.cache
 def kernel_matches_mlx() -> bool:
     """Whether the kernel computes what this MLX computes, bit for bit, on a
     small case of every bit width, decode's rows and prefill's panels (seven
-    tokens on one expert) both (checked once; MLX's random state is left
-    alone, so seeded sampling still draws what mlx-lm's does)."""
+    tokens on one expert) both, on slots as MLX holds them and blocked
+    (checked once; MLX's random state is left alone, so seeded sampling
+    still draws what mlx-lm's does)."""
     x = mx.random.normal((8, 1, 1, 64), key=mx.random.key(1))
     inds = mx.array([[1]] * 7 + [[0]], mx.uint32)
 
@@ -253,8 +277,11 @@ def kernel_matches_mlx() -> bool:
             for p in range(3):
                 w = mx.random.normal((2, 64, 64), key=mx.random.key(10 * bits + p))
                 weights += mx.quantize(w, 32, bits)
-            ours = _native.expert_mlp(x, inds, weights, [(bits, 32)] * 3, 1)
-            yield ours, _reference_mlp(x, inds, weights, bits)
+            specs = [(bits, 32)] * 3
+            theirs = _reference_mlp(x, inds, weights, bits)
+            yield _native.expert_mlp(x, inds, weights, specs, 1), theirs
+            rows = blocked_arrays(weights)
+            yield _native.expert_mlp(x, inds, rows, specs, 1, blocked=True), theirs
             dense = [a[0] for a in weights[:3]]
             yield (
                 _native.quant_matmul(x, *dense, bits, 32, 1),
@@ -282,19 +309,29 @@ def _affine(p: nn.Module) -> bool:
 
 class ExpertKernel:
     """`inner(x, slots)` of a SwitchGLU, on the CPU kernel; calls on other than
-    float32 run `inner` itself."""
+    float32 run `inner` itself. `blocked`: the slots hold each projection
+    kernel_lanes() rows at a time (the kernel's layout, which only the kernel
+    reads)."""
 
-    def __init__(self, inner: SwitchGLU, threads: int) -> None:
+    def __init__(self, inner: SwitchGLU, threads: int, blocked: bool = False) -> None:
         self.inner = inner
         self.projections = [inner[n] for n in ("gate_proj", "up_proj", "down_proj")]
         self.specs = [(p.bits, p.group_size) for p in self.projections]
         self.threads = threads
+        self.blocked = blocked
 
     def __call__(self, x: mx.array, slots: mx.array) -> mx.array:
         weights = [a for p in self.projections for a in (p.weight, p.scales, p.biases)]
         if any(a.dtype != mx.float32 for a in [x, *weights[1::3], *weights[2::3]]):
+            if self.blocked:  # MLX's gather_qmm would read them as rows
+                raise NativeEngineError(
+                    f"The CPU kernel's blocked slots take float32 calls, not "
+                    f"{x.dtype}; MLX's kernels cannot read them."
+                )
             return self.inner(x, slots)
-        return _native.expert_mlp(x, slots, weights, self.specs, self.threads)
+        return _native.expert_mlp(
+            x, slots, weights, self.specs, self.threads, blocked=self.blocked
+        )
 
 
 def covers(inner: SwitchGLU) -> bool:

@@ -116,45 +116,78 @@ def writable_view(a: mx.array) -> np.ndarray:
     return np.frombuffer(memoryview(a), RAW_DTYPES[a.dtype.size]).reshape(a.shape)
 
 
+def blocked(a: np.ndarray, lanes: int) -> np.ndarray:
+    """`a` `[..., rows, cols]` as the CPU kernel's blocked slots hold it
+    (csrc/cpu_experts.h): `lanes` rows at a time, element c of those rows side
+    by side (`[..., rows / lanes, cols, lanes]`), in `a`'s shape."""
+    *lead, rows, cols = a.shape
+    b = a.reshape(*lead, rows // lanes, lanes, cols).swapaxes(-1, -2)
+    return np.ascontiguousarray(b).reshape(a.shape)
+
+
+def unblocked(a: np.ndarray, lanes: int) -> np.ndarray:
+    """`blocked`'s inverse: the rows of a blocked `[..., rows, cols]` array."""
+    *lead, rows, cols = a.shape
+    b = a.reshape(*lead, rows // lanes, cols, lanes).swapaxes(-1, -2)
+    return np.ascontiguousarray(b).reshape(a.shape)
+
+
 class SlotFiller:
     """Reads expert records straight into slot arrays: one preadv per expert.
 
     Segments stored in the slot dtype land in the slot's memory directly;
     float segments stored in another float dtype are read into a staging
-    buffer and converted as MLX converts them (`cast_into`).
+    buffer and converted as MLX converts them (`cast_into`). With `lanes`
+    (the CPU kernel's blocked slots) every segment goes through staging and
+    is written blocked (`blocked`), cast first where it must be.
     """
 
-    def __init__(self, store: ExpertStore, layer: ExpertLayer, slots: list[mx.array]):
+    def __init__(
+        self,
+        store: ExpertStore,
+        layer: ExpertLayer,
+        slots: list[mx.array],
+        lanes: int = 0,
+    ):
         self.store, self.layer = store, layer
         self.staging = store.staging
         self.views = [writable_view(a) for a in slots]
         self.dtypes = [a.dtype for a in slots]
         self.order = sorted(range(len(slots)), key=lambda i: layer.segments[i].offset)
+        self.lanes = lanes
 
     def fill(self, expert: int, slot: int) -> None:
-        buffers, cast, pos = [], [], 0
+        buffers, staged, pos = [], [], 0
         for i in self.order:
             seg = self.layer.segments[i]
             if seg.offset > pos:
                 buffers.append(self.staging[pos : seg.offset])
-            if seg.dtype == DTYPE_NAMES[self.dtypes[i]]:
+            if seg.dtype == DTYPE_NAMES[self.dtypes[i]] and not self.lanes:
                 buffers.append(memoryview(self.views[i][slot]).cast("B"))
             else:
                 buffers.append(self.staging[seg.offset : seg.offset + seg.nbytes])
-                cast.append(i)
+                staged.append(i)
             pos = seg.offset + seg.nbytes
         self.store.readv(self.layer.layer, expert, buffers)
-        for i in cast:
-            self._cast(self.layer.segments[i], self.views[i][slot], self.dtypes[i])
+        for i in staged:
+            self._write(self.layer.segments[i], self.views[i][slot], self.dtypes[i])
 
-    def _cast(self, seg: Segment, dst: np.ndarray, dtype: mx.Dtype) -> None:
+    def _write(self, seg: Segment, dst: np.ndarray, dtype: mx.Dtype) -> None:
+        """A staged segment into its slot `dst`: cast, blocked, or both."""
         raw = np.frombuffer(
             self.staging,
             NUMPY_DTYPES[seg.dtype],
             offset=seg.offset,
             count=seg.nbytes // NUMPY_DTYPES[seg.dtype]().itemsize,
-        )
-        cast_into(raw.reshape(seg.shape), seg.dtype, dtype, dst)
+        ).reshape(seg.shape)
+        if not self.lanes:
+            cast_into(raw, seg.dtype, dtype, dst)
+            return
+        if seg.dtype != DTYPE_NAMES[dtype]:
+            words = np.empty_like(dst)
+            cast_into(raw, seg.dtype, dtype, words)
+            raw = words
+        dst[...] = blocked(raw.view(dst.dtype), self.lanes)
 
 
 def cast_into(raw: np.ndarray, stored: str, dtype: mx.Dtype, out: np.ndarray) -> None:

@@ -13,6 +13,9 @@ On the cpu-mapped backend there are no slots: the native engine resolves a
 call to the routed experts' ids and the CPU kernel reads their records in
 place, from the blob mapped into memory (the page cache is the expert cache).
 
+Where the CPU kernel computes every call of a layer, its slots hold each
+projection blocked, the kernel's layout (`blocked`): only the kernel reads them.
+
 Slots are written in place. Every output a streaming layer returns is kept in
 a list shared by the model's layers and evaluated right after the next host
 sync (where it is already computed, so this costs nothing): no pending
@@ -78,14 +81,17 @@ class StreamingSwitchGLU(nn.Module):
         self._capacity = min(capacity, layer.num_experts)
         # A group's call runs at least this many rows (the plan's; see _rows).
         self._group_rows = plan.group_rows
-        self._targets = self._allocate_slots()
-        slots = [m[n] for m, n in self._targets]
-        self._engine: Engine = make_engine(
-            plan, layer, store, slots, self._capacity, stats, outstanding, tier
-        )
         # The routed experts of a call on their slots: the extension's exact
         # CPU kernel where it covers this layer, else mlx-lm's SwitchGLU.
-        self._experts = native.expert_kernel(inner, plan) or inner
+        kernel = native.expert_kernel(inner, plan)
+        self._targets = self._allocate_slots()
+        self._blocked = kernel is not None and self._blocks(plan)
+        if kernel is not None:
+            kernel.blocked = self._blocked
+        self._experts = kernel or inner
+        slots = [m[n] for m, n in self._targets]
+        args = (plan, layer, store, slots, self._capacity, stats, outstanding, tier)
+        self._engine: Engine = make_engine(*args, blocked=self._blocked)
         # The fast arithmetic (plan.fast) on calls of at least this many pairs.
         self._fast = functools.partial(fast_glu, inner)
         rows = plan.tuning.fast_rows
@@ -117,6 +123,23 @@ class StreamingSwitchGLU(nn.Module):
         """Expert -> slot (`capacity` where absent) as the host knows it; any
         thread may read it (the page's view of the slots)."""
         return self._engine.slot_table()
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the slots hold each projection in the CPU kernel's blocked
+        layout (ExpertKernel): then only that kernel reads them."""
+        return self._blocked
+
+    def _blocks(self, plan: ExecutionPlan) -> bool:
+        """Whether this layer's slots are blocked, given that the CPU kernel
+        computes its calls: where it computes every one of them (float32
+        slots, no fast arithmetic, which reads them with MLX's ops; mapped has
+        no slots) and every projection's rows fill whole blocks."""
+        if plan.fast or plan.mapped or self._float_dtype != mx.float32:
+            return False
+        lanes = native.kernel_lanes()
+        segments = self._layer.segments
+        return all(len(s.shape) == 2 and s.shape[0] % lanes == 0 for s in segments)
 
     def _allocate_slots(self) -> list[tuple[nn.Module, str]]:
         """Replace each expert tensor of the inner module by `[capacity, ...]` slots."""
