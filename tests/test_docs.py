@@ -34,6 +34,7 @@ FOREIGN = {
     "case", "cgroup", "limit",  # scripts/cgroup_ab.py
     "prompts", "before", "tier", "groups",  # scripts/gpu_prefill.py, gpu_groups.py
     "from-memory",  # scripts/kernel_ops.py
+    "pct",  # scripts/kernel_ab.py
 }  # fmt: skip
 
 
