@@ -103,9 +103,10 @@ Pool& pool() {
 // One projection of one expert: row r's packed values at w + r * row_bytes;
 // scales and biases stored as float32, or as bfloat16 / float16 where the
 // kernel reads a record in place (ExpertMlpMapped: each value widened exactly,
-// as the slot's cast would have written it). A blocked matrix (a blocked
-// slot's, float32 scales only) holds its rows kLanes at a time: word w of row
-// r at ((r / kLanes) * words + w) * kLanes + r % kLanes, scale or bias g at
+// as the slot's cast would have written it). A blocked slot's matrix
+// (float32 scales only; read by the blocked kernels, kernels(bits, F32,
+// true)) holds its rows kLanes at a time: word w of row r at
+// ((r / kLanes) * words + w) * kLanes + r % kLanes, scale or bias g at
 // ((r / kLanes) * groups + g) * kLanes + r % kLanes.
 struct Matrix {
   const uint8_t* w;
@@ -114,7 +115,6 @@ struct Matrix {
   int64_t rows, cols, row_bytes, groups;
   int group_size;
   ScaleFormat format{ScaleFormat::F32};
-  bool blocked{false};
 };
 
 // Scale or bias i of a row, as float32: cast.h's widening, bit for bit.
@@ -468,14 +468,6 @@ Matrix matrix(const mx::array& w, const mx::array& s, const mx::array& b,
   m.w = w.data<uint8_t>() + e * m.rows * m.row_bytes;
   m.scales = s.data<uint8_t>() + e * m.rows * m.groups * 4;
   m.biases = b.data<uint8_t>() + e * m.rows * m.groups * 4;
-  return m;
-}
-
-// Expert `e` of blocked slots (an expert's block is as large as its rows).
-Matrix blocked_matrix(const mx::array& w, const mx::array& s,
-                      const mx::array& b, QuantSpec spec, int64_t e) {
-  Matrix m = matrix(w, s, b, spec, e);
-  m.blocked = true;
   return m;
 }
 
@@ -998,13 +990,12 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
   const Kernels fn[3] = {kernels(specs[0].bits, f32, blocked),
                          kernels(specs[1].bits, f32, blocked),
                          kernels(specs[2].bits, f32, blocked)};
-  auto of = blocked ? blocked_matrix : matrix;
   std::vector<float> xt;
   run_calls(
       row_major(x, xt), slot, slots, pairs, k, d_in, hidden, d_out,
       [&](int p, int64_t pair) {
-        return of(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
-                  slot[pair]);
+        return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
+                      slot[pair]);
       },
       fn, out.data<float>(), threads);
 }

@@ -154,9 +154,12 @@ def expert_cache(
         num_experts=layer.num_experts,
         capacity=capacity,
         segments=[
-            (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype), *_rows(seg, a))
-            if blocked_slots
-            else (seg.offset, seg.nbytes, _cast(seg.dtype, a.dtype), 0, 0)
+            (
+                seg.offset,
+                seg.nbytes,
+                _cast(seg.dtype, a.dtype),
+                *_rows(seg, a, blocked_slots),
+            )
             for seg, a in zip(layer.segments, slots, strict=True)
         ],
         checksums=[int(c, 16) for c in layer.checksums] if verify else [],
@@ -172,8 +175,11 @@ def expert_cache(
     return cache
 
 
-def _rows(seg: object, slots: mx.array) -> tuple[int, int]:
-    """A blocked segment's rows and the slot bytes of one row."""
+def _rows(seg: object, slots: mx.array, blocked: bool) -> tuple[int, int]:
+    """A blocked segment's rows and the slot bytes of one row; (0, 0), rows
+    as stored, where the slots are not blocked."""
+    if not blocked:
+        return 0, 0
     rows = seg.shape[0]  # type: ignore[attr-defined]
     return rows, slots.nbytes // slots.shape[0] // rows
 
