@@ -35,7 +35,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
-from ..formats import ExpertLayer
+from ..formats import ExpertLayer, Segment
 from .store import ExpertReadError, blocked
 
 if TYPE_CHECKING:  # the plan imports this module to choose the backend
@@ -154,12 +154,7 @@ def expert_cache(
         num_experts=layer.num_experts,
         capacity=capacity,
         segments=[
-            (
-                seg.offset,
-                seg.nbytes,
-                _cast(seg.dtype, a.dtype),
-                *_rows(seg, a, blocked_slots),
-            )
+            _segment(seg, a, blocked_slots)
             for seg, a in zip(layer.segments, slots, strict=True)
         ],
         checksums=[int(c, 16) for c in layer.checksums] if verify else [],
@@ -175,13 +170,15 @@ def expert_cache(
     return cache
 
 
-def _rows(seg: object, slots: mx.array, blocked: bool) -> tuple[int, int]:
-    """A blocked segment's rows and the slot bytes of one row; (0, 0), rows
-    as stored, where the slots are not blocked."""
+def _segment(seg: Segment, slots: mx.array, blocked: bool) -> tuple:
+    """A segment as the native cache takes it: offset, stored bytes, cast,
+    then a blocked segment's rows and the slot bytes of one row ((0, 0):
+    rows as stored)."""
+    head = (seg.offset, seg.nbytes, _cast(seg.dtype, slots.dtype))
     if not blocked:
-        return 0, 0
-    rows = seg.shape[0]  # type: ignore[attr-defined]
-    return rows, slots.nbytes // slots.shape[0] // rows
+        return (*head, 0, 0)
+    rows = seg.shape[0]
+    return (*head, rows, slots.nbytes // slots.shape[0] // rows)
 
 
 def _tune(
