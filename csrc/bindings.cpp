@@ -116,7 +116,7 @@ NB_MODULE(_native, m) {
              int64_t stride, int64_t record_nbytes, int num_experts,
              int capacity,
              const std::vector<std::tuple<int64_t, int64_t, int, int64_t,
-                                          int64_t>>& segments,
+                                          int64_t, bool, bool>>& segments,
              std::vector<uint32_t> checksums, bool verify,
              const std::string& policy, double decay, int max_pairs,
              bool record_calls) {
@@ -124,9 +124,11 @@ NB_MODULE(_native, m) {
                 {path, layer, data_offset, stride, record_nbytes, num_experts},
                 capacity, {}, std::move(checksums), verify,
                 {policy == "lru", decay}, max_pairs, record_calls};
-            for (auto& [offset, nbytes, cast, rows, row_bytes] : segments) {
-              config.segments.push_back(
-                  {offset, nbytes, moestream::Cast(cast), rows, row_bytes});
+            for (auto& [offset, nbytes, cast, rows, row_bytes, slot_blocked,
+                        record_blocked] : segments) {
+              config.segments.push_back({offset, nbytes, moestream::Cast(cast),
+                                         rows, row_bytes, slot_blocked,
+                                         record_blocked});
             }
             return std::make_shared<ExpertCache>(std::move(config));
           }),
@@ -272,25 +274,29 @@ NB_MODULE(_native, m) {
       "SwitchGLU with SwiGLU over slot arrays, bit for bit MLX's CPU ops; "
       "`weights` gate, up, down (weight, scales, biases), `specs` their "
       "(bits, group_size); `threads` 0 uses every core; `blocked`: the "
-      "slots hold each projection kernel_lanes() rows at a time.");
+      "slots hold each projection kernel_block() rows at a time.");
   m.def("kernel_lanes", &moestream::kernel_lanes,
-        "The rows of one of the CPU kernel's vectors: a blocked slot's block.");
+        "The rows of one of the CPU kernel's vectors: 16 with AVX-512, else 8.");
+  m.def("kernel_block", &moestream::kernel_block,
+        "The rows of one block of the blocked layout (slots and records): 16.");
   m.def(
       "expert_mlp_mapped",
       [](const mlx::core::array& x, const mlx::core::array& experts,
          std::shared_ptr<ExpertCache> cache,
          const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t,
-                                      int64_t, int64_t, int, int, int>>& proj,
+                                      int64_t, int64_t, int, int, int, bool>>&
+             proj,
          int threads) {
         std::vector<moestream::MappedProjection> p;
-        for (auto& [w, s, b, rows, row_bytes, groups, format, bits, gs] : proj) {
+        for (auto& [w, s, b, rows, row_bytes, groups, format, bits, gs,
+                    blocked] : proj) {
           if (format < 0 || format > 2) {
             throw std::invalid_argument(
                 "moestream kernel: scale format must be 0 (float32), 1 "
                 "(bfloat16) or 2 (float16)");
           }
           p.push_back({w, s, b, rows, row_bytes, groups,
-                       moestream::ScaleFormat(format), {bits, gs}});
+                       moestream::ScaleFormat(format), {bits, gs}, blocked});
         }
         return moestream::expert_mlp_mapped(x, experts, std::move(cache), p,
                                             threads);
@@ -299,7 +305,7 @@ NB_MODULE(_native, m) {
       "expert_mlp on the records of a mapped cache, read in place: "
       "`experts` routed expert ids (its fetch's), `projections` gate, up, "
       "down as (weight, scales, biases offsets in the record, rows, "
-      "row_bytes, groups, scale format, bits, group_size).");
+      "row_bytes, groups, scale format, bits, group_size, blocked).");
   m.def(
       "quant_matmul",
       [](const mlx::core::array& x, const mlx::core::array& w,

@@ -103,11 +103,11 @@ Pool& pool() {
 // One projection of one expert: row r's packed values at w + r * row_bytes;
 // scales and biases stored as float32, or as bfloat16 / float16 where the
 // kernel reads a record in place (ExpertMlpMapped: each value widened exactly,
-// as the slot's cast would have written it). A blocked slot's matrix
-// (float32 scales only; read by the blocked kernels, kernels(bits, F32,
-// true)) holds its rows kLanes at a time: word w of row r at
-// ((r / kLanes) * words + w) * kLanes + r % kLanes, scale or bias g at
-// ((r / kLanes) * groups + g) * kLanes + r % kLanes.
+// as the slot's cast would have written it). A blocked matrix (blocked
+// slots, or a record converted with --layout blocked; read by the blocked
+// kernels, kernels(bits, format, true)) holds its rows kBlock at a time:
+// word w of row r at ((r / kBlock) * words + w) * kBlock + r % kBlock, scale
+// or bias g at ((r / kBlock) * groups + g) * kBlock + r % kBlock.
 struct Matrix {
   const uint8_t* w;
   const uint8_t* scales;
@@ -368,51 +368,98 @@ void rows_block(const Matrix& m, int64_t r0, const float* x, float* out) {
 
 #endif
 
-// rows_block on a blocked matrix: each vector's kLanes rows are one block, so
-// a chunk's `bits` words of every row are `bits` vectors as stored, and a
-// group's scales and biases one vector each: no turning. Each lane's
-// arithmetic is rows_block's, in its order. The next call's blocks are asked
-// for as these are read, their scales and biases now. A vector past the last
-// row reads the last block and is not stored.
+// kLanes scales or biases of a blocked matrix's block at `p` (side by side),
+// as float32: cast.h's widening, bit for bit.
+template <ScaleFormat F>
+inline VF load_scales(const uint8_t* p) {
+  if constexpr (F == ScaleFormat::F32) {
+    return load_vf(reinterpret_cast<const float*>(p));
+  } else if constexpr (F == ScaleFormat::BF16) {
+    using VH = uint16_t __attribute__((vector_size(2 * kLanes)));
+    VH h;
+    std::memcpy(&h, p, sizeof h);
+    VU u = __builtin_convertvector(h, VU) << 16;
+    VF f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  } else {
+    VF f;
+    for (int j = 0; j < kLanes; j++) {
+      f[j] = scale_at<F>(p, j);
+    }
+    return f;
+  }
+}
+
+// `bits` words of one vector's rows in a blocked matrix, word b at p + b *
+// kBlock (a whole block's words are one load where a vector is a block).
 template <int bits>
+inline void load_block_words(const uint32_t* p, VU* w) {
+  if constexpr (kLanes == kBlock) {
+    std::memcpy(w, p, bits * sizeof(VU));
+  } else {
+    for (int b = 0; b < bits; b++) {
+      std::memcpy(&w[b], p + b * kBlock, sizeof(VU));
+    }
+  }
+}
+
+// The index of element 0 of row r in a blocked matrix of `cols` elements a
+// row: element c of rows [r, r + kLanes) at that + c * kBlock, side by side.
+inline int64_t block_at(int64_t r, int64_t cols) {
+  return (r / kBlock) * cols * kBlock + r % kBlock;
+}
+
+// rows_block on a blocked matrix (cpu_experts.h): a chunk's `bits` words of
+// a vector's rows are `bits` vectors as stored, and a group's scales and
+// biases one vector each: no turning. Each lane's arithmetic is
+// rows_block's, in its order. Blocks are rows in order, so the next call's
+// words, scales and biases follow ours: they are asked for as these are
+// read. A vector past the last row reads the last rows and is not stored.
+template <int bits, ScaleFormat F>
 void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
+  constexpr int64_t size = scale_size<F>();
   const int64_t words = m.row_bytes / 4, chunks = m.cols / 32;
-  const int64_t last = m.rows / kLanes - 1;
   const int per_group = m.group_size / 32;
   const uint32_t* w[2];
-  const float *sc[2], *bi[2];
+  const uint8_t *sc[2], *bi[2];
   for (int v = 0; v < 2; v++) {
-    int64_t b = std::min(r0 / kLanes + v, last);
-    w[v] = reinterpret_cast<const uint32_t*>(m.w) + b * words * kLanes;
-    sc[v] = reinterpret_cast<const float*>(m.scales) + b * m.groups * kLanes;
-    bi[v] = reinterpret_cast<const float*>(m.biases) + b * m.groups * kLanes;
+    int64_t r = std::min(r0 + v * kLanes, m.rows - kLanes);
+    w[v] = reinterpret_cast<const uint32_t*>(m.w) + block_at(r, words);
+    sc[v] = m.scales + block_at(r, m.groups) * size;
+    bi[v] = m.biases + block_at(r, m.groups) * size;
   }
-  // Blocks are rows in order: the next call's scales and biases follow ours.
   const int64_t ahead = r0 + kRows < m.rows ? kRows * words : 0;
   if (ahead) {
-    const int64_t bytes = kRows * m.groups * 4;
-    const int64_t at = (r0 + kRows) * m.groups * 4;
+    const int64_t bytes = kRows * m.groups * size;
+    const int64_t at = (r0 + kRows) * m.groups * size;
     for (int64_t b = 0; b < bytes; b += 64) {
       __builtin_prefetch(m.scales + at + b, 0, 2);
       __builtin_prefetch(m.biases + at + b, 0, 2);
     }
   }
+  // The bytes of a chunk's words of one vector's block, for the prefetch.
+  constexpr int kChunkBytes = bits * kBlock * 4;
   VF acc0 = {}, acc1 = acc0, s0 = {}, s1 = {}, b0 = {}, b1 = {};
   for (int64_t c = 0; c < chunks; c++) {
     if (c % per_group == 0) {
       int64_t g = c / per_group;
-      s0 = load_vf(sc[0] + g * kLanes), b0 = load_vf(bi[0] + g * kLanes);
-      s1 = load_vf(sc[1] + g * kLanes), b1 = load_vf(bi[1] + g * kLanes);
+      s0 = load_scales<F>(sc[0] + g * kBlock * size);
+      b0 = load_scales<F>(bi[0] + g * kBlock * size);
+      s1 = load_scales<F>(sc[1] + g * kBlock * size);
+      b1 = load_scales<F>(bi[1] + g * kBlock * size);
     }
     VU w0v[bits], w1v[bits];
-    std::memcpy(w0v, w[0] + c * bits * kLanes, sizeof w0v);
-    std::memcpy(w1v, w[1] + c * bits * kLanes, sizeof w1v);
+    load_block_words<bits>(w[0] + c * bits * kBlock, w0v);
+    load_block_words<bits>(w[1] + c * bits * kBlock, w1v);
     if (ahead) {
-      const char* n0 = reinterpret_cast<const char*>(w[0] + ahead + c * bits * kLanes);
-      const char* n1 = reinterpret_cast<const char*>(w[1] + ahead + c * bits * kLanes);
-      for (int at = 0; at < int(sizeof w0v); at += 64) {
+      const char* n0 = reinterpret_cast<const char*>(w[0] + ahead + c * bits * kBlock);
+      const char* n1 = reinterpret_cast<const char*>(w[1] + ahead + c * bits * kBlock);
+      for (int at = 0; at < kChunkBytes; at += 64) {
         __builtin_prefetch(n0 + at, 0, 2);
-        __builtin_prefetch(n1 + at, 0, 2);
+        if constexpr (kLanes == kBlock) {
+          __builtin_prefetch(n1 + at, 0, 2);
+        }
       }
     }
     const float* xc = x + c * 32;
@@ -500,7 +547,7 @@ inline void swiglu_n(const float* gate, const float* up, float* h, int64_t n) {
   }
 }
 
-constexpr int64_t kBlock = 64; // rows of one task
+constexpr int64_t kTaskRows = 64; // rows of one task
 
 void check_spec(QuantSpec s, int64_t cols) {
   if (s.group_size != 32 && s.group_size != 64 && s.group_size != 128) {
@@ -632,36 +679,39 @@ void dequant_chunk(const Matrix& m, int64_t r0, int64_t k0, int kc, float* dq) {
   }
 }
 
-// dequant_chunk on a blocked matrix: each vector's kLanes rows are one
-// block, its words and a group's scales and biases loaded as stored. The
-// block's words kPrefetchChunks chunks ahead are asked for.
-template <int bits>
+// dequant_chunk on a blocked matrix: each vector's words and a group's
+// scales and biases loaded as stored. The words kPrefetchChunks chunks ahead
+// are asked for.
+template <int bits, ScaleFormat F>
 void dequant_blocked(const Matrix& m, int64_t r0, int64_t k0, int kc,
                      float* dq) {
+  constexpr int64_t size = scale_size<F>();
   constexpr uint32_t mask = (1u << bits) - 1;
   constexpr int kWords = kChunk / 32 * bits; // of one chunk, per row
-  const int64_t words = m.row_bytes / 4, last = m.rows / kLanes - 1;
+  const int64_t words = m.row_bytes / 4;
   for (int v = 0; v < kPanelVecs; v++) {
-    int64_t blk = std::min(r0 / kLanes + v, last);
+    int64_t r = std::min(r0 + v * kLanes, m.rows - kLanes);
     const uint32_t* w = reinterpret_cast<const uint32_t*>(m.w) +
-                        (blk * words + k0 / 32 * bits) * kLanes;
-    const float* sc = reinterpret_cast<const float*>(m.scales) + blk * m.groups * kLanes;
-    const float* bi = reinterpret_cast<const float*>(m.biases) + blk * m.groups * kLanes;
-    const char* ahead =
-        reinterpret_cast<const char*>(w + kPrefetchChunks * kWords * kLanes);
-    for (int at = 0; at < kWords * kLanes * 4; at += 64) {
-      __builtin_prefetch(ahead + at);
+                        block_at(r, words) + k0 / 32 * bits * kBlock;
+    const uint8_t* sc = m.scales + block_at(r, m.groups) * size;
+    const uint8_t* bi = m.biases + block_at(r, m.groups) * size;
+    if (kLanes == kBlock || v % 2 == 0) { // a block's lines, once
+      const char* ahead =
+          reinterpret_cast<const char*>(w + kPrefetchChunks * kWords * kBlock);
+      for (int at = 0; at < kWords * kBlock * 4; at += 64) {
+        __builtin_prefetch(ahead + at);
+      }
     }
     VF s = {}, b = {};
     int64_t last_group = -1;
     for (int64_t k = k0; k < k0 + kc; k += 32) {
       if (int64_t g = k / m.group_size; g != last_group) {
-        s = load_vf(sc + g * kLanes);
-        b = load_vf(bi + g * kLanes);
+        s = load_scales<F>(sc + g * kBlock * size);
+        b = load_scales<F>(bi + g * kBlock * size);
         last_group = g;
       }
       VU wv[bits];
-      std::memcpy(wv, w + (k - k0) / 32 * bits * kLanes, sizeof wv);
+      load_block_words<bits>(w + (k - k0) / 32 * bits * kBlock, wv);
       float* out = dq + (k - k0) * kPanel + v * kLanes;
       [&]<int... I>(std::integer_sequence<int, I...>) {
         ((*reinterpret_cast<VF*>(out + I * kPanel) =
@@ -713,7 +763,7 @@ void panel_block(const Matrix& m, int64_t r0, int n, const float* const* xs,
   for (int64_t k0 = 0; k0 < m.cols; k0 += kChunk) {
     int kc = int(std::min<int64_t>(kChunk, m.cols - k0));
     if constexpr (Blocked) {
-      dequant_blocked<bits>(m, r0, k0, kc, dq);
+      dequant_blocked<bits, F>(m, r0, k0, kc, dq);
     } else {
       dequant_chunk<bits, F>(m, r0, k0, kc, dq);
     }
@@ -759,26 +809,35 @@ struct Kernels {
   PanelFn panel;
 };
 
-template <int bits>
+template <int bits, ScaleFormat F>
 Kernels blocked_kernels() {
-  return {rows_blocked<bits>, panel_block<bits, ScaleFormat::F32, true>};
+  return {rows_blocked<bits, F>, panel_block<bits, F, true>};
 }
 
-// The kernels of a row-major matrix, or of a blocked one (float32 scales).
+template <ScaleFormat F>
+Kernels blocked_kernels_of(int bits) {
+  switch (bits) {
+    case 2: return blocked_kernels<2, F>();
+    case 3: return blocked_kernels<3, F>();
+    case 4: return blocked_kernels<4, F>();
+    case 5: return blocked_kernels<5, F>();
+    case 6: return blocked_kernels<6, F>();
+    case 8: return blocked_kernels<8, F>();
+  }
+  throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
+}
+
+// The kernels of a row-major matrix, or of a blocked one.
 Kernels kernels(int bits, ScaleFormat format = ScaleFormat::F32,
                 bool blocked = false) {
   if (!blocked) {
     return {rows_fn(bits, format), panel_fn(bits, format)};
   }
-  switch (bits) {
-    case 2: return blocked_kernels<2>();
-    case 3: return blocked_kernels<3>();
-    case 4: return blocked_kernels<4>();
-    case 5: return blocked_kernels<5>();
-    case 6: return blocked_kernels<6>();
-    case 8: return blocked_kernels<8>();
+  switch (format) {
+    case ScaleFormat::BF16: return blocked_kernels_of<ScaleFormat::BF16>(bits);
+    case ScaleFormat::F16: return blocked_kernels_of<ScaleFormat::F16>(bits);
+    default: return blocked_kernels_of<ScaleFormat::F32>(bits);
   }
-  throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
 }
 
 } // namespace
@@ -787,29 +846,54 @@ int kernel_lanes() {
   return kLanes;
 }
 
+int kernel_block() {
+  return kBlock;
+}
+
+// Rows [r0, r0 + kBlock) between row-major (`rows`, row r at + r * cols)
+// and blocked (`blk`, element c at + c * kBlock): `to_blocked` says which way.
+static void turn_block(const uint32_t* src, int64_t cols, uint32_t* dst,
+                       bool to_blocked) {
+  int64_t c0 = 0;
+#if defined(__AVX512F__)
+  static_assert(kBlock == 16);
+  for (; c0 + 16 <= cols; c0 += 16) { // sixteen rows' 16 words, turned
+    __m512i r[16];
+    for (int j = 0; j < 16; j++) {
+      const uint32_t* at = to_blocked ? src + j * cols + c0 : src + (c0 + j) * 16;
+      r[j] = _mm512_loadu_si512(at);
+    }
+    transpose16(r);
+    for (int i = 0; i < 16; i++) {
+      uint32_t* at = to_blocked ? dst + (c0 + i) * 16 : dst + i * cols + c0;
+      _mm512_storeu_si512(at, r[i]);
+    }
+  }
+#endif
+  for (; c0 < cols; c0++) {
+    for (int j = 0; j < kBlock; j++) {
+      if (to_blocked) {
+        dst[c0 * kBlock + j] = src[j * cols + c0];
+      } else {
+        dst[j * cols + c0] = src[c0 * kBlock + j];
+      }
+    }
+  }
+}
+
 void block_rows(const uint8_t* src, int64_t rows, int64_t cols,
                 uint32_t* dst) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
-    const uint8_t* s = src + r0 * cols * 4;
-    uint32_t* d = dst + r0 * cols;
-    int64_t c0 = 0;
-#if defined(__AVX512F__)
-    for (; c0 + 16 <= cols; c0 += 16) { // sixteen rows' 16 words, turned
-      __m512i r[16];
-      for (int j = 0; j < 16; j++) {
-        r[j] = _mm512_loadu_si512(s + (j * cols + c0) * 4);
-      }
-      transpose16(r);
-      for (int i = 0; i < 16; i++) {
-        _mm512_storeu_si512(d + (c0 + i) * 16, r[i]);
-      }
-    }
-#endif
-    for (; c0 < cols; c0++) {
-      for (int j = 0; j < kLanes; j++) {
-        std::memcpy(d + c0 * kLanes + j, s + (j * cols + c0) * 4, 4);
-      }
-    }
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
+    turn_block(s + r0 * cols, cols, dst + r0 * cols, true);
+  }
+}
+
+void unblock_rows(const uint8_t* src, int64_t rows, int64_t cols,
+                  uint32_t* dst) {
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
+    turn_block(s + r0 * cols, cols, dst + r0 * cols, false);
   }
 }
 
@@ -842,10 +926,10 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
   float* h = scratch(Scratch::PairsUp, pairs * hidden, h_spill);
   float* g = scratch(Scratch::PairsGate, pairs * hidden, g_spill);
   auto pair_at = [&](int64_t i) { return which ? which[i] : i; };
-  int64_t hb = (hidden + kBlock - 1) / kBlock;
+  int64_t hb = (hidden + kTaskRows - 1) / kTaskRows;
   parallel_for(int(pairs * hb), threads, [&](int task) {
-    int64_t i = task / hb, r0 = task % hb * kBlock, pair = pair_at(i);
-    int64_t r1 = std::min(hidden, r0 + kBlock);
+    int64_t i = task / hb, r0 = task % hb * kTaskRows, pair = pair_at(i);
+    int64_t r1 = std::min(hidden, r0 + kTaskRows);
     const float* xt = x + pair / k * d_in;
     float* hp = h + i * hidden;
     float* gp = g + i * hidden;
@@ -853,10 +937,10 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
     matvec(mat(1, pair), fn[1].rows, r0, r1, xt, hp);
     swiglu_n(gp + r0, hp + r0, hp + r0, r1 - r0);
   });
-  int64_t db = (d_out + kBlock - 1) / kBlock;
+  int64_t db = (d_out + kTaskRows - 1) / kTaskRows;
   parallel_for(int(pairs * db), threads, [&](int task) {
-    int64_t i = task / db, r0 = task % db * kBlock, pair = pair_at(i);
-    int64_t r1 = std::min(d_out, r0 + kBlock);
+    int64_t i = task / db, r0 = task % db * kTaskRows, pair = pair_at(i);
+    int64_t r1 = std::min(d_out, r0 + kTaskRows);
     matvec(mat(2, pair), fn[2].rows, r0, r1, h + i * hidden,
            y + pair * d_out);
   });
@@ -1014,9 +1098,10 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
       throw std::out_of_range("moestream kernel: an expert id past the layer's");
     }
   }
-  const Kernels fn[3] = {kernels(proj[0].spec.bits, proj[0].format),
-                         kernels(proj[1].spec.bits, proj[1].format),
-                         kernels(proj[2].spec.bits, proj[2].format)};
+  const Kernels fn[3] = {
+      kernels(proj[0].spec.bits, proj[0].format, proj[0].blocked),
+      kernels(proj[1].spec.bits, proj[1].format, proj[1].blocked),
+      kernels(proj[2].spec.bits, proj[2].format, proj[2].blocked)};
   auto mat = [&](int p, int64_t pair) {
         const MappedProjection& q = proj[p];
         const uint8_t* record = cache.mapped_record(int(expert[pair]));
@@ -1087,10 +1172,10 @@ static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
   const float* x = row_major(in[0], xt);
   float* y = out.data<float>();
   if (tokens < kMinTokens) {
-    int64_t blocks = (m.rows + kBlock - 1) / kBlock;
+    int64_t blocks = (m.rows + kTaskRows - 1) / kTaskRows;
     parallel_for(int(tokens * blocks), threads, [&](int task) {
-      int64_t t = task / blocks, r0 = task % blocks * kBlock;
-      matvec(m, fn.rows, r0, std::min(m.rows, r0 + kBlock), x + t * m.cols,
+      int64_t t = task / blocks, r0 = task % blocks * kTaskRows;
+      matvec(m, fn.rows, r0, std::min(m.rows, r0 + kTaskRows), x + t * m.cols,
              y + t * m.rows);
     });
     return;
@@ -1157,10 +1242,10 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
     check_spec(specs[p], weights[3 * p].shape(-1) * 32 / specs[p].bits);
     check_float32(weights[3 * p + 1], "scales");
     check_float32(weights[3 * p + 2], "biases");
-    if (blocked && weights[3 * p].shape(-2) % kLanes) {
+    if (blocked && weights[3 * p].shape(-2) % kBlock) {
       throw std::invalid_argument(
           "moestream kernel: blocked slots need rows in multiples of " +
-          std::to_string(kLanes));
+          std::to_string(kBlock));
     }
   }
   for (auto& w : weights) {
@@ -1197,6 +1282,11 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
         q.biases + q.rows * q.groups * size > cache->record_nbytes) {
       throw std::invalid_argument(
           "moestream kernel: a projection does not fit its expert record");
+    }
+    if (q.blocked && q.rows % kBlock) {
+      throw std::invalid_argument(
+          "moestream kernel: a blocked projection needs rows in multiples of " +
+          std::to_string(kBlock));
     }
   }
   if (projections[0].row_bytes * 8 / projections[0].spec.bits != d_in ||

@@ -36,12 +36,14 @@ enum class ScaleFormat : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 // One projection inside an expert record (RuntimeConfig.mapped): offsets of
 // its packed weight `[rows, row_bytes / 4]` and its scales and biases
-// `[rows, groups]` from the record's start.
+// `[rows, groups]` from the record's start; `blocked`: all three stored
+// kernel_block() rows at a time (a record converted with --layout blocked).
 struct MappedProjection {
   int64_t weight, scales, biases;
   int64_t rows, row_bytes, groups;
   ScaleFormat format;
   QuantSpec spec;
+  bool blocked{false};
 };
 
 class ExpertCache; // expert_cache.h
@@ -139,21 +141,27 @@ inline const float* row_major(const mx::array& a, std::vector<float>& tmp) {
   return tmp.data();
 }
 
-// The rows of one vector (16 with AVX-512, else 8): a blocked slot's block.
+// The rows of one vector: 16 with AVX-512, else 8.
 int kernel_lanes();
 
+// The rows of one block of the blocked layout: 16 on every CPU.
+int kernel_block();
+
 // `rows` rows of `cols` 4-byte words at `src` (row r at src + r * cols * 4)
-// into `dst` as a blocked slot holds them: word c of row r at
-// ((r / lanes) * cols + c) * lanes + r % lanes; rows % kernel_lanes() == 0.
+// into `dst` blocked, as blocked slots and records hold them: word c of row
+// r at ((r / 16) * cols + c) * 16 + r % 16; rows % kernel_block() == 0.
 void block_rows(const uint8_t* src, int64_t rows, int64_t cols, uint32_t* dst);
+
+// block_rows' inverse: blocked words at `src` into rows at `dst`.
+void unblock_rows(const uint8_t* src, int64_t rows, int64_t cols, uint32_t* dst);
 
 // SwitchGLU with SwiGLU on slots: out[t, j] = down(silu(gate(x_t)) * up(x_t))
 // with the experts of slot inds[t, j]. Inputs: x `[T, D]`, inds `[T, k]`,
 // then gate, up, down (weight, scales, biases) each. Output `[T, k, D]`.
-// Blocked slots hold each projection kernel_lanes() rows at a time: an
-// expert's weights `[rows / lanes, words, lanes]` (word w of a block's rows
-// side by side), its float32 scales and biases `[rows / lanes, groups,
-// lanes]`, in arrays of the row-major shapes.
+// Blocked slots hold each projection kernel_block() rows at a time: an
+// expert's weights `[rows / 16, words, 16]` (word w of a block's rows side
+// by side), its float32 scales and biases `[rows / 16, groups, 16]`, in
+// arrays of the row-major shapes.
 class ExpertMlp : public CpuKernel {
  public:
   ExpertMlp(mx::Stream s, std::vector<QuantSpec> specs, int threads,

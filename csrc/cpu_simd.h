@@ -23,6 +23,11 @@ constexpr int kLanes = 16;
 #else
 constexpr int kLanes = 8;
 #endif
+// The rows of one block of the blocked layout (slots, and records converted
+// with --layout blocked): sixteen on every CPU, so that a record is read
+// as stored everywhere; an 8-lane vector holds half a block.
+constexpr int kBlock = 16;
+static_assert(kBlock % kLanes == 0);
 using VF = float __attribute__((vector_size(4 * kLanes)));
 using VU = uint32_t __attribute__((vector_size(4 * kLanes)));
 using VI = int32_t __attribute__((vector_size(4 * kLanes)));

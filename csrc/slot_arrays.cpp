@@ -23,12 +23,14 @@ void SlotArrays::bind(std::vector<mlx::core::array> s, bool gpu_slots,
         int64_t(s[i].nbytes() / s[i].shape(0)) != bytes) {
       throw std::invalid_argument("a slot array does not match its segment");
     }
-    if (seg.rows && (gpu_slots || s[i].itemsize() != 4 ||
-                     seg.rows % kernel_lanes() || seg.row_bytes % 4 ||
-                     seg.rows * seg.row_bytes != bytes)) {
+    bool turned = seg.slot_blocked != seg.record_blocked;
+    if ((seg.slot_blocked || seg.record_blocked) &&
+        (gpu_slots || seg.rows <= 0 || seg.rows % kernel_block() ||
+         seg.rows * seg.row_bytes != bytes ||
+         (turned && (s[i].itemsize() != 4 || seg.row_bytes % 4)))) {
       throw std::invalid_argument(
-          "a blocked segment needs CPU slots of 4-byte elements, its rows a "
-          "multiple of kernel_lanes()");
+          "a blocked segment or record needs CPU slots (of 4-byte elements "
+          "where only one is blocked), its rows a multiple of kernel_block()");
     }
   }
   slots = std::move(s);
@@ -41,8 +43,8 @@ void SlotArrays::fill_host(const uint8_t* record, int slot) {
     size_t slot_bytes = a.nbytes() / a.shape(0);
     uint8_t* dst = a.data<uint8_t>() + slot * slot_bytes;
     const uint8_t* src = record + seg.offset;
-    if (seg.rows) {
-      block_host(src, seg, dst);
+    if (seg.slot_blocked != seg.record_blocked) {
+      turn_host(src, seg, dst);
     } else if (seg.cast == Cast::None) {
       std::memcpy(dst, src, seg.nbytes);
     } else {
@@ -59,19 +61,20 @@ void SlotArrays::cast_host(const uint8_t* src, const Segment& seg,
   }
 }
 
-// Cast first where the segment is stored otherwise, then the kernel's
-// block_rows (cpu_experts.h).
-void SlotArrays::block_host(const uint8_t* src, const Segment& seg,
-                            uint8_t* out) {
+// Cast first where the segment is stored otherwise (a cast keeps the
+// layout), then the kernel's block_rows or unblock_rows (cpu_experts.h).
+void SlotArrays::turn_host(const uint8_t* src, const Segment& seg,
+                           uint8_t* out) {
   const int64_t cols = seg.row_bytes / 4;
   uint32_t* dst = reinterpret_cast<uint32_t*>(out);
+  auto turn = seg.slot_blocked ? block_rows : unblock_rows;
   if (seg.cast == Cast::None) {
-    block_rows(src, seg.rows, cols, dst);
+    turn(src, seg.rows, cols, dst);
     return;
   }
   std::vector<uint32_t> cast(seg.rows * cols);
   cast_host(src, seg, reinterpret_cast<uint8_t*>(cast.data()));
-  block_rows(reinterpret_cast<const uint8_t*>(cast.data()), seg.rows, cols, dst);
+  turn(reinterpret_cast<const uint8_t*>(cast.data()), seg.rows, cols, dst);
 }
 
 } // namespace moestream

@@ -15,12 +15,13 @@ struct Segment {
   int64_t offset; // inside the record
   int64_t nbytes; // stored bytes of one expert
   Cast cast; // how the stored floats become the slot's (cast.h)
-  // A blocked segment (the CPU kernel's blocked slots, cpu_experts.h): its
-  // `rows` rows of `row_bytes` slot bytes (4-byte elements) are written
-  // kernel_lanes() rows at a time, element c of a block's rows side by side.
-  // 0: rows as stored.
+  // Where the slot or the record is blocked (kernel_block() rows at a time,
+  // element c of a block's rows side by side, cpu_experts.h): its `rows`
+  // rows of `row_bytes` slot bytes (4-byte elements); else 0.
   int64_t rows{0};
   int64_t row_bytes{0};
+  bool slot_blocked{false};   // the CPU kernel's blocked slots
+  bool record_blocked{false}; // stored so (convert-moe --layout blocked)
 };
 
 class SlotArrays {
@@ -33,8 +34,9 @@ class SlotArrays {
   void fill_host(const uint8_t* record, int slot);
   // A stored float segment in the slot's float dtype, at `out` (cast.h).
   static void cast_host(const uint8_t* src, const Segment& seg, uint8_t* out);
-  // A blocked segment's slot at `out`, cast where it is stored otherwise.
-  static void block_host(const uint8_t* src, const Segment& seg, uint8_t* out);
+  // A segment whose slot and record disagree on the blocked layout, at `out`:
+  // cast where it is stored otherwise, then blocked or unblocked.
+  static void turn_host(const uint8_t* src, const Segment& seg, uint8_t* out);
 
   const std::vector<Segment> segments;
   std::vector<mlx::core::array> slots;

@@ -22,6 +22,13 @@ cache), and times a prefill of each `--prompt-tokens` length. Each round
 starts one build later than the last. A build's tokens or logits that
 differ from the first build's are reported: builds of an exact kernel agree
 bit for bit.
+
+After a colon a variant takes flags joined by `+`: `mapped` runs the mapped
+backend (no slots; `--pct` unused), `model=DIR` another conversion of the
+same weights (e.g. `convert-moe --layout blocked`), so that two layouts of
+the records run side by side:
+
+    --variants moestream/_native.so:mapped,moestream/_native.so:mapped+model=build/bench-small-blocked
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ def child(
     context: int,
 ) -> dict:
     so, _, flag = variant.partition(":")
+    flags = dict(f.partition("=")[::2] for f in flag.split("+") if f)
+    model_dir = flags.get("model") or model_dir
     if not Path(so).is_dir():  # a checkout is on PYTHONPATH already
         spec = importlib.util.spec_from_file_location("moestream._native", so)
         module = importlib.util.module_from_spec(spec)
@@ -66,8 +75,11 @@ def child(
         native.norm_matches_mlx = lambda: False
 
     experts = load_manifest(Path(model_dir)).layers[0].num_experts
-    slots = max(8, round(experts * pct / 100))
-    model, _ = load(Path(model_dir), cache_experts=slots, cpu_kernel=True)
+    if "mapped" in flags:
+        model, _ = load(Path(model_dir), backend="mapped", cpu_kernel=True)
+    else:
+        slots = max(8, round(experts * pct / 100))
+        model, _ = load(Path(model_dir), cache_experts=slots, cpu_kernel=True)
     out: dict = {"prefill": {}, "digest": {}}
     for p in prompts:
         prompt = mx.array([(7 * i + 3) % 8000 + 1 for i in range(p)])[None]
@@ -168,7 +180,9 @@ def table(
     print("|---" * (2 + 2 * len(keys) + 2 * len(prompts)) + "|")
     for n in names:
         rs = runs[n]
-        row = f"| {Path(n).name.replace('_native.', '')} |"
+        so, _, flag = n.partition(":")
+        label = Path(so).name.replace("_native.", "") + (f" {flag}" if flag else "")
+        row = f"| {label} |"
         for k in keys:
             dec = statistics.median(r[k] for r in rs)
             base = statistics.median(r[k] for r in runs[names[0]])

@@ -162,7 +162,7 @@ def test_blocked_rows_must_fill_blocks():
     for rows in (36, 36, 64):
         w += mx.quantize(mx.zeros((2, rows, 64)), 32, 4)
     x, inds = mx.zeros((1, 64)), mx.zeros((1, 1), mx.uint32)
-    lanes = native.kernel_lanes()
+    lanes = native.kernel_block()
     assert 36 % lanes
     with pytest.raises(ValueError, match=f"multiples of {lanes}"):
         native._native.expert_mlp(x, inds, w, [(4, 32)] * 3, 1, blocked=True)
@@ -311,7 +311,7 @@ def test_slots_blocked_where_the_kernel_runs(converted, reference, engine):
     assert layers and all(m.blocked and m._experts.blocked for m in layers.values())
     logits_stepwise(model, PROMPT, steps=2)  # reads every expert into a slot
     resident = dict(reference.named_modules())
-    lanes = native.kernel_lanes()
+    lanes = native.kernel_block()
     checked = 0
     for name, m in layers.items():
         table = m.slot_table()

@@ -160,7 +160,7 @@ class PythonEngine(_Base):
         t = plan.tuning
         self.pool = SlotPool(capacity, layer.num_experts, t.policy, t.lrfu_decay)
         # host views of the slots (on a GPU they become managed memory)
-        lanes = native.kernel_lanes() if blocked else 0
+        lanes = native.kernel_block() if blocked else 0
         self.filler = SlotFiller(store, layer, slots, lanes)
 
     def slots(self, x: mx.array, indices: mx.array) -> mx.array:

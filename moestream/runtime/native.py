@@ -172,13 +172,15 @@ def expert_cache(
 
 def _segment(seg: Segment, slots: mx.array, blocked: bool) -> tuple:
     """A segment as the native cache takes it: offset, stored bytes, cast,
-    then a blocked segment's rows and the slot bytes of one row ((0, 0):
-    rows as stored)."""
+    then where the slot or the record is blocked its rows and the slot bytes
+    of one row ((0, 0) where neither is), whether the slot is, whether the
+    record is."""
     head = (seg.offset, seg.nbytes, _cast(seg.dtype, slots.dtype))
-    if not blocked:
-        return (*head, 0, 0)
+    stored = seg.layout == "blocked"
+    if not (blocked or stored):
+        return (*head, 0, 0, False, False)
     rows = seg.shape[0]
-    return (*head, rows, slots.nbytes // slots.shape[0] // rows)
+    return (*head, rows, slots.nbytes // slots.shape[0] // rows, blocked, stored)
 
 
 def _tune(
@@ -252,16 +254,15 @@ def agrees_with_mlx(what: str, pairs: Iterable[tuple[mx.array, mx.array]]) -> bo
     return True
 
 
-def kernel_lanes() -> int:
-    """The rows of one of the CPU kernel's vectors (16 with AVX-512, else 8):
-    the block of a blocked slot."""
-    return _native.kernel_lanes()
+def kernel_block() -> int:
+    """The rows of one block of the blocked layout (slots, and records
+    converted with --layout blocked): 16 on every CPU."""
+    return _native.kernel_block()
 
 
 def blocked_arrays(arrays: list[mx.array]) -> list[mx.array]:
     """Stacked expert arrays `[E, rows, cols]` as blocked slots hold them."""
-    lanes = kernel_lanes()
-    return [mx.array(blocked(np.array(a), lanes)) for a in arrays]
+    return [mx.array(blocked(np.array(a), kernel_block())) for a in arrays]
 
 
 @functools.cache
@@ -313,7 +314,7 @@ def _affine(p: nn.Module) -> bool:
 class ExpertKernel:
     """`inner(x, slots)` of a SwitchGLU, on the CPU kernel; calls on other than
     float32 run `inner` itself. `blocked`: the slots hold each projection
-    kernel_lanes() rows at a time (the kernel's layout, which only the kernel
+    kernel_block() rows at a time (the kernel's layout, which only the kernel
     reads)."""
 
     def __init__(self, inner: SwitchGLU, threads: int, blocked: bool = False) -> None:
@@ -377,7 +378,7 @@ class MappedKernel:
             offsets = (w.offset, sc.offset, b.offset)
             shape = (rows, words * 4, sc.shape[1])
             spec = (SCALE_FORMATS[sc.dtype], w.bits, w.group_size)
-            self.projections.append((*offsets, *shape, *spec))
+            self.projections.append((*offsets, *shape, *spec, w.layout == "blocked"))
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         return _native.expert_mlp_mapped(

@@ -137,7 +137,7 @@ class StreamingSwitchGLU(nn.Module):
         no slots) and every projection's rows fill whole blocks."""
         if plan.fast or plan.mapped or self._float_dtype != mx.float32:
             return False
-        lanes = native.kernel_lanes()
+        lanes = native.kernel_block()
         segments = self._layer.segments
         return all(len(s.shape) == 2 and s.shape[0] % lanes == 0 for s in segments)
 
