@@ -28,7 +28,7 @@ backend (no slots; `--pct` unused), `model=DIR` another conversion of the
 same weights (e.g. `convert-moe --layout blocked`), so that two layouts of
 the records run side by side:
 
-    --variants moestream/_native.so:mapped,moestream/_native.so:mapped+model=build/bench-small-blocked
+    --variants X.so:mapped,X.so:mapped+model=build/bench-small-blocked
 """
 
 from __future__ import annotations
