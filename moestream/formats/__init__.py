@@ -1,6 +1,7 @@
 """The one contract between converter and runtime: manifest, blobs, recipe."""
 
 from .blob import BlobReader, checksum, pack_record, write_blob
+from .layout import BLOCK_ROWS, blocked, unblocked
 from .manifest import (
     FORMAT_VERSION,
     SUPPORTED_VERSIONS,
@@ -17,6 +18,7 @@ from .recipe import QuantSpec, Recipe, RecipeError
 from .writer import ModelWriter, WriterState
 
 __all__ = [
+    "BLOCK_ROWS",
     "FORMAT_VERSION",
     "SUPPORTED_VERSIONS",
     "BlobReader",
@@ -29,11 +31,13 @@ __all__ = [
     "RecipeError",
     "Segment",
     "WriterState",
+    "blocked",
     "checksum",
     "layer_layout",
     "load_manifest",
     "pack_record",
     "record_layout",
     "stride_for",
+    "unblocked",
     "write_blob",
 ]

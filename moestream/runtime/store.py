@@ -14,6 +14,7 @@ import numpy as np
 from ..families import DTYPE_NAMES
 from ..formats import BlobReader, ExpertLayer, FormatError, Manifest, Segment
 from ..formats.blob import NUMPY_DTYPES
+from ..formats.layout import blocked
 from ..formats.manifest import inside
 
 
@@ -114,22 +115,6 @@ RAW_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 def writable_view(a: mx.array) -> np.ndarray:
     """A numpy view of an evaluated MLX array's memory (any dtype, as raw words)."""
     return np.frombuffer(memoryview(a), RAW_DTYPES[a.dtype.size]).reshape(a.shape)
-
-
-def blocked(a: np.ndarray, lanes: int) -> np.ndarray:
-    """`a` `[..., rows, cols]` as the CPU kernel's blocked slots hold it
-    (csrc/cpu_experts.h): `lanes` rows at a time, element c of those rows side
-    by side (`[..., rows / lanes, cols, lanes]`), in `a`'s shape."""
-    *lead, rows, cols = a.shape
-    b = a.reshape(*lead, rows // lanes, lanes, cols).swapaxes(-1, -2)
-    return np.ascontiguousarray(b).reshape(a.shape)
-
-
-def unblocked(a: np.ndarray, lanes: int) -> np.ndarray:
-    """`blocked`'s inverse: the rows of a blocked `[..., rows, cols]` array."""
-    *lead, rows, cols = a.shape
-    b = a.reshape(*lead, rows // lanes, cols, lanes).swapaxes(-1, -2)
-    return np.ascontiguousarray(b).reshape(a.shape)
 
 
 class SlotFiller:
