@@ -3,12 +3,16 @@
 from .blob import BlobReader, checksum, pack_record, write_blob
 from .layout import BLOCK_ROWS, blocked, unblocked
 from .manifest import (
+    BLOCKED_VERSION,
     FORMAT_VERSION,
+    LAYOUTS,
     SUPPORTED_VERSIONS,
     ExpertLayer,
     FormatError,
     Manifest,
     Segment,
+    blocked_layout,
+    format_version,
     layer_layout,
     load_manifest,
     record_layout,
@@ -18,8 +22,10 @@ from .recipe import QuantSpec, Recipe, RecipeError
 from .writer import ModelWriter, WriterState
 
 __all__ = [
+    "BLOCKED_VERSION",
     "BLOCK_ROWS",
     "FORMAT_VERSION",
+    "LAYOUTS",
     "SUPPORTED_VERSIONS",
     "BlobReader",
     "ExpertLayer",
@@ -32,7 +38,9 @@ __all__ = [
     "Segment",
     "WriterState",
     "blocked",
+    "blocked_layout",
     "checksum",
+    "format_version",
     "layer_layout",
     "load_manifest",
     "pack_record",
