@@ -46,6 +46,7 @@ def model_info(path: str | Path) -> dict[str, Any]:
         "expert_quantization": quantization_ranges(layers),
         "record_bytes": sorted({layer.record_nbytes for layer in layers}),
         "stride_bytes": sorted({layer.stride for layer in layers}),
+        "layout": "blocked" if manifest.blocked else "rows",
         "dense_bytes": dense,
         "expert_bytes": manifest.expert_bytes,
         "blob_bytes": manifest.total_bytes,
@@ -136,6 +137,7 @@ def format_info(info: dict[str, Any]) -> str:
         + ", ".join(h(n) for n in info["record_bytes"])
         + " per expert, stride "
         + ", ".join(h(n) for n in info["stride_bytes"]),
+        f"  layout:       {info['layout']}",
         f"  bytes:        dense {h(info['dense_bytes'])}, experts "
         f"{h(info['expert_bytes'])} ({h(info['blob_bytes'])} of blobs)",
         f"  bits/weight:  {info['bits_per_weight']:.3f} whole model (as "

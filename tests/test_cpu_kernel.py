@@ -16,8 +16,8 @@ from helpers import PROMPT, logits_stepwise
 from mlx_lm.models.switch_layers import SwitchGLU
 
 import moestream
+from moestream.formats import blocked, unblocked
 from moestream.runtime import Tuning, native
-from moestream.runtime.store import blocked, unblocked
 from moestream.runtime.switch import StreamingSwitchGLU
 
 pytestmark = pytest.mark.skipif(

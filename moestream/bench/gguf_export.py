@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import load_manifest
+from ..formats import load_manifest, unblocked
 from ..formats.blob import NUMPY_DTYPES
 from ..formats.manifest import inside
 
@@ -223,7 +223,8 @@ def expert_tensors(converted: Path, quant: str, gguf: Any) -> list[Tensor]:
 
 
 def read_segments(path: Path, layer: Any, segs: list) -> tuple[np.ndarray, ...]:
-    """(weight, scales, biases) of every expert of `layer`, stacked."""
+    """(weight, scales, biases) of every expert of `layer`, stacked, in rows
+    as MLX holds them (a blocked record's segments unblocked)."""
     order = {s.name.rpartition(".")[2]: s for s in segs}
     out = []
     fd = os.open(path, os.O_RDONLY)
@@ -242,7 +243,8 @@ def read_segments(path: Path, layer: Any, segs: list) -> tuple[np.ndarray, ...]:
                 ).reshape(seg.shape)
                 for e in range(layer.num_experts)
             ]
-            out.append(np.stack(rows))
+            stack = np.stack(rows)
+            out.append(unblocked(stack) if seg.blocked else stack)
     finally:
         os.close(fd)
     return tuple(out)

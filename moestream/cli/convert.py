@@ -6,6 +6,7 @@ import click
 
 from ..converter.pack import DTYPES, convert
 from ..errors import user_errors
+from ..formats import LAYOUTS
 from ..options import CONTEXT, common_options
 
 
@@ -31,6 +32,14 @@ from ..options import CONTEXT, common_options
     default=None,
     help="Cast floating weights before quantizing (default: the source's).",
 )
+@click.option(
+    "--layout",
+    type=click.Choice(LAYOUTS),
+    default="rows",
+    help="Expert records: rows (default), as MLX holds them, for any device; "
+    "blocked, 16 rows at a time as the CPU kernel reads them, for CPU runs "
+    "(the mapped backend most). A GPU needs rows.",
+)
 @click.option("--revision", default=None, help="Hub revision (branch, tag, commit).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option(
@@ -45,6 +54,7 @@ def main(
     bits: str | None,
     q_group_size: int | None,
     dtype: str | None,
+    layout: str,
     revision: str | None,
     force: bool,
     resume: bool,
@@ -60,6 +70,7 @@ def main(
             revision=revision,
             force=force,
             resume=resume,
+            layout=layout,
         )
     )
     for line in summary.lines():

@@ -37,10 +37,13 @@ from ..families import (
     switch_modules,
 )
 from ..formats import (
+    BLOCK_ROWS,
+    LAYOUTS,
     ExpertLayer,
     Manifest,
     ModelWriter,
     Recipe,
+    blocked_layout,
     layer_layout,
     pack_record,
 )
@@ -79,16 +82,18 @@ class ConvertSummary:
     source_bytes: int = 0
     seconds: float = 0.0
     peak_rss: int = 0
+    blocked: bool = False  # records stored blocked (--layout blocked)
 
     def lines(self) -> list[str]:
         lo, hi = (human_bytes(n) for n in self.record_bytes)
         rate = self.source_bytes / 1e9 / max(self.seconds, 1e-9)
+        blocked = f", blocked by {BLOCK_ROWS} rows" if self.blocked else ""
         return [
             f"Wrote {self.out}",
             f"  source:          {self.source_layout}",
             *(f"  {note}" for note in self.notes),
             f"  MoE layers:      {self.moe_layers} x {self.experts} experts",
-            f"  expert record:   {lo if lo == hi else f'{lo}-{hi}'}",
+            f"  expert record:   {lo if lo == hi else f'{lo}-{hi}'}{blocked}",
             f"  experts total:   {human_bytes(self.expert_bytes)} "
             f"({self.expert_bits_per_weight:.2f} bits per weight)",
             f"  dense total:     {human_bytes(self.dense_bytes)}",
@@ -131,6 +136,7 @@ def convert(
     force: bool = False,
     progress: bool = True,
     resume: bool = False,
+    layout: str = "rows",
 ) -> ConvertSummary:
     """Convert `source` (hub id or directory) into a moestream directory `out`.
 
@@ -138,23 +144,27 @@ def convert(
     checkpoint, whose bits are also the default recipe (see layouts.py).
     The work happens in `OUT.partial/`, renamed to `out` at the end. With
     `resume`, an interrupted conversion there is finished, reusing its
-    finished layers whose checksums verify.
+    finished layers whose checksums verify. `layout` "blocked" stores each
+    projection with whole blocks of rows as the CPU kernel reads it (format
+    v2, docs/format.md); "rows" (the default) as MLX holds it.
     """
     out = Path(out)
-    _check_options(out, bits, q_group_size, dtype, force, resume)
+    _check_options(out, bits, q_group_size, dtype, force, resume, layout)
     src = open_source(source, revision)
     start = time.perf_counter()  # after any download: GB/s of reading the source
     family = get_family(src.config)
     model = build_model(src.config)
-    layout = detect(model, src)
-    recipe = layout.recipe(bits, q_group_size)
-    dtype = dtype or layout.default_dtype() or source_dtype(src.config)
-    layout.dtype = getattr(mx, dtype)
+    reads = detect(model, src)  # how the source's tensors are laid out
+    recipe = reads.recipe(bits, q_group_size)
+    dtype = dtype or reads.default_dtype() or source_dtype(src.config)
+    reads.dtype = getattr(mx, dtype)
     _check_recipe(recipe, model)
     partial = partial_dir(out)
-    journal, done = Journal.open(partial, fingerprint(src, recipe, dtype), resume)
+    print_ = fingerprint(src, recipe, dtype, layout)
+    journal, done = Journal.open(partial, print_, resume)
     writer = ModelWriter(partial, done.values(), ignore=(JOURNAL_NAME, LOCK_NAME))
-    c = Conversion(src, family, model, layout, recipe, dtype, journal, writer, done)
+    c = Conversion(src, family, model, reads, recipe, dtype, journal, writer, done)
+    c.blocked = layout == "blocked"
     try:
         summary = _convert_into(c, progress)
         journal.finish()
@@ -184,9 +194,14 @@ def _check_options(
     dtype: str | None,
     force: bool,
     resume: bool,
+    layout: str = "rows",
 ) -> None:
     """What can be refused before any download."""
     Recipe.parse(bits, q_group_size or 64)  # a typo fails before any download
+    if layout not in LAYOUTS:
+        raise ConvertError(
+            f"Unknown --layout {layout}; use one of {', '.join(LAYOUTS)}."
+        )
     _check_destination(out, force)
     if partial_dir(out).exists() and not resume:
         raise ResumeError(
@@ -294,6 +309,8 @@ class Conversion:
     writer: ModelWriter
     # layers finished by an interrupted run, their blobs verified and kept
     done: dict[int, ExpertLayer]
+    # records stored blocked where a projection's rows fill whole blocks
+    blocked: bool = False
 
 
 def _convert_into(c: Conversion, progress: bool) -> ConvertSummary:
@@ -324,7 +341,7 @@ def _convert_into(c: Conversion, progress: bool) -> ConvertSummary:
             for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
                 experts = _pop_prefixed(out, spath)
                 if experts:
-                    entry = _write_layer(c.writer, spath, layer, experts, quantization)
+                    entry = _write_layer(c, spath, layer, experts, quantization)
                     c.journal.record(entry)
                     bar.update()
             c.writer.add_dense(out)
@@ -341,7 +358,12 @@ def _convert_into(c: Conversion, progress: bool) -> ConvertSummary:
     )
     summary = _summary(manifest, c.writer.dense_bytes, switches, model)
     notes = (*layout.notes(), *rope_notes(src.config))
-    return replace(summary, source_layout=layout.describe(), notes=notes)
+    return replace(
+        summary,
+        source_layout=layout.describe(),
+        notes=notes,
+        blocked=manifest.blocked,
+    )
 
 
 def _check_coverage(
@@ -481,7 +503,7 @@ def _to_numpy(a: mx.array) -> np.ndarray:
 
 
 def _write_layer(
-    writer: ModelWriter,
+    c: Conversion,
     spath: str,
     layer: int,
     experts: dict[str, mx.array],
@@ -504,6 +526,8 @@ def _write_layer(
             for name, a in experts.items()
         ],
     )
+    if c.blocked:
+        entry = blocked_layout(entry)
     segments, record_nbytes = entry.segments, entry.record_nbytes
     arrays = {name: _to_numpy(a) for name, a in experts.items()}
     records = (
@@ -511,7 +535,7 @@ def _write_layer(
         for e in range(num_experts)
     )
     log.debug("layer %d: %d experts x %d bytes", layer, num_experts, record_nbytes)
-    return writer.add_layer(entry, records)
+    return c.writer.add_layer(entry, records)
 
 
 def _source(src: Source) -> dict:

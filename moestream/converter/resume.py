@@ -18,13 +18,17 @@ import logging
 import os
 import shutil
 import zlib
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from ..formats import ExpertLayer, FormatError, Recipe
-from ..formats.manifest import layer_from_dict, validate_layer, write_atomic
+from ..formats.manifest import (
+    layer_from_dict,
+    layer_to_dict,
+    validate_layer,
+    write_atomic,
+)
 from ..formats.verify import check_blob
 from .source import Source
 
@@ -42,10 +46,14 @@ def partial_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
-def fingerprint(src: Source, recipe: Recipe, dtype: str) -> dict[str, Any]:
-    """What must not change between an interrupted run and its --resume."""
+def fingerprint(
+    src: Source, recipe: Recipe, dtype: str, layout: str = "rows"
+) -> dict[str, Any]:
+    """What must not change between an interrupted run and its --resume (the
+    record layout only where blocked: a journal from before it resumes)."""
     files = sorted({*src.files.values(), src.path / "config.json"})
-    return {
+    blocked = {"layout": layout} if layout != "rows" else {}
+    return blocked | {
         "moestream": __version__,
         "source": str(src.path.resolve()),
         "repo_id": src.repo_id,
@@ -166,7 +174,7 @@ class Journal:
         self._save()
 
     def _save(self) -> None:
-        layers = [asdict(self.layers[k]) for k in sorted(self.layers)]
+        layers = [layer_to_dict(self.layers[k]) for k in sorted(self.layers)]
         data = {"fingerprint": self.fingerprint, "layers": layers}
         write_atomic(self.directory / JOURNAL_NAME, json.dumps(data, indent=1).encode())
 

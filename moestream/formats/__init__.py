@@ -1,13 +1,18 @@
 """The one contract between converter and runtime: manifest, blobs, recipe."""
 
 from .blob import BlobReader, checksum, pack_record, write_blob
+from .layout import BLOCK_ROWS, blocked, unblocked
 from .manifest import (
+    BLOCKED_VERSION,
     FORMAT_VERSION,
+    LAYOUTS,
     SUPPORTED_VERSIONS,
     ExpertLayer,
     FormatError,
     Manifest,
     Segment,
+    blocked_layout,
+    format_version,
     layer_layout,
     load_manifest,
     record_layout,
@@ -17,7 +22,10 @@ from .recipe import QuantSpec, Recipe, RecipeError
 from .writer import ModelWriter, WriterState
 
 __all__ = [
+    "BLOCKED_VERSION",
+    "BLOCK_ROWS",
     "FORMAT_VERSION",
+    "LAYOUTS",
     "SUPPORTED_VERSIONS",
     "BlobReader",
     "ExpertLayer",
@@ -29,11 +37,15 @@ __all__ = [
     "RecipeError",
     "Segment",
     "WriterState",
+    "blocked",
+    "blocked_layout",
     "checksum",
+    "format_version",
     "layer_layout",
     "load_manifest",
     "pack_record",
     "record_layout",
     "stride_for",
+    "unblocked",
     "write_blob",
 ]

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..units import count
 from .dtypes import DTYPES
+from .layout import blocked, unblocked
 from .manifest import PAGE_SIZE, ExpertLayer, FormatError, Segment
 
 MAGIC = b"MOEBLOB\x00"
@@ -60,7 +61,8 @@ def header_bytes(layer: ExpertLayer) -> bytes:
 def pack_record(
     segments: tuple[Segment, ...], record_nbytes: int, arrays: dict[str, np.ndarray]
 ) -> bytes:
-    """Lay out one expert's tensors (numpy, raw bytes per segment dtype)."""
+    """Lay out one expert's tensors (numpy `[rows, cols]` as MLX holds them,
+    raw bytes per segment dtype), each blocked where its segment says so."""
     buf = bytearray(record_nbytes)
     if set(arrays) != {s.name for s in segments}:
         raise ValueError(
@@ -68,12 +70,14 @@ def pack_record(
             f"{sorted(s.name for s in segments)}."
         )
     for s in segments:
-        raw = np.ascontiguousarray(arrays[s.name]).tobytes()
-        if len(raw) != s.nbytes:
+        a = np.ascontiguousarray(arrays[s.name])
+        if a.nbytes != s.nbytes:
             raise ValueError(
-                f"Segment {s.name}: {len(raw)} bytes, expected {s.nbytes}."
+                f"Segment {s.name}: {a.nbytes} bytes, expected {s.nbytes}."
             )
-        buf[s.offset : s.offset + s.nbytes] = raw
+        if s.blocked:
+            a = blocked(a.reshape(s.shape))
+        buf[s.offset : s.offset + s.nbytes] = a.tobytes()
     return bytes(buf)
 
 
@@ -212,13 +216,15 @@ class BlobReader:
         return checksum(self.record(expert)) == self.layer.checksums[expert]
 
     def segment(self, record: bytes | memoryview, seg: Segment) -> np.ndarray:
-        """View of one segment of a record as a numpy array of its storage dtype."""
-        return np.frombuffer(
+        """One segment of a record as a numpy array of its storage dtype, in
+        rows as MLX holds it: a view, or a copy where it is stored blocked."""
+        a = np.frombuffer(
             record,
             NUMPY_DTYPES[seg.dtype],
             count=seg.nbytes // np.dtype(NUMPY_DTYPES[seg.dtype]).itemsize,
             offset=seg.offset,
         ).reshape(seg.shape)
+        return unblocked(a) if seg.blocked else a
 
     def close(self) -> None:
         if self._fd >= 0:

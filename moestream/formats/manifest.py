@@ -10,17 +10,25 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..units import count
 from .dtypes import DTYPES
+from .layout import BLOCK_ROWS
 from .recipe import MODES, Recipe, RecipeError
 
 FORMAT_NAME = "moestream"
+# Version 1: every record row-major. Version 2 adds segments stored blocked
+# (`"layout": "blocked"`); a manifest is written as 2 only where one is.
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+BLOCKED_VERSION = 2
+SUPPORTED_VERSIONS = (FORMAT_VERSION, BLOCKED_VERSION)
+# How a 2-D segment's bytes are ordered: "rows" as MLX holds the tensor,
+# "blocked" as the CPU kernel reads it (layout.py, BLOCK_ROWS rows a block).
+ROWS, BLOCKED = "rows", "blocked"
+LAYOUTS = (ROWS, BLOCKED)
 MANIFEST_NAME = "manifest.json"
 # Apple's page size; also a multiple of Linux pages and O_DIRECT alignment.
 PAGE_SIZE = 16384
@@ -56,10 +64,15 @@ class Segment:
     bits: int | None = None
     group_size: int | None = None
     mode: str | None = None
+    layout: str = ROWS
 
     @property
     def projection(self) -> str:
         return self.name.rsplit(".", 1)[0]
+
+    @property
+    def blocked(self) -> bool:
+        return self.layout == BLOCKED
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,11 @@ class ExpertLayer:
                 return s
         raise KeyError(name)
 
+    @property
+    def blocked(self) -> bool:
+        """Whether any segment of this layer's records is stored blocked."""
+        return any(s.blocked for s in self.segments)
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -110,8 +128,14 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(layer.file_nbytes for layer in self.layers)
 
+    @property
+    def blocked(self) -> bool:
+        """Whether any expert record is stored blocked (format v2)."""
+        return any(layer.blocked for layer in self.layers)
+
     def to_json(self) -> str:
         d = asdict(self)
+        d["layers"] = [layer_to_dict(layer) for layer in self.layers]
         d["recipe"] = self.recipe.to_dict()
         d["expert_bytes"] = self.expert_bytes
         d["total_bytes"] = self.total_bytes
@@ -119,6 +143,41 @@ class Manifest:
 
     def save(self, directory: Path) -> None:
         write_atomic(Path(directory) / MANIFEST_NAME, self.to_json().encode())
+
+
+def layer_to_dict(layer: ExpertLayer) -> dict[str, Any]:
+    """One `layers` entry of manifest.json: a segment's "layout" is written
+    only where it is blocked, so row-major output stays format v1's."""
+    d = asdict(layer)
+    for s in d["segments"]:
+        if s["layout"] == ROWS:
+            del s["layout"]
+    return d
+
+
+def format_version(layers: tuple[ExpertLayer, ...] | list[ExpertLayer]) -> int:
+    """The version a manifest of `layers` is written as: 2 where any record
+    is stored blocked, else 1."""
+    return BLOCKED_VERSION if any(layer.blocked for layer in layers) else FORMAT_VERSION
+
+
+def blocked_layout(layer: ExpertLayer) -> ExpertLayer:
+    """`layer` with each projection stored blocked where every 2-D segment of
+    it has whole blocks of rows (a 1-D `bias` stays rows); others stay rows."""
+    by_projection: dict[str, list[Segment]] = {}
+    for s in layer.segments:
+        by_projection.setdefault(s.projection, []).append(s)
+    whole = {
+        p
+        for p, segs in by_projection.items()
+        if any(len(s.shape) == 2 for s in segs)
+        and all(s.shape[0] % BLOCK_ROWS == 0 for s in segs if len(s.shape) == 2)
+    }
+    segments = tuple(
+        replace(s, layout=BLOCKED) if s.projection in whole and len(s.shape) == 2 else s
+        for s in layer.segments
+    )
+    return replace(layer, segments=segments)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -239,7 +298,8 @@ def _from_dict(d: dict[str, Any]) -> Manifest:
         recipe = Recipe.from_dict(d["recipe"])
     except RecipeError as e:
         raise FormatError(str(e)) from e
-    layers = tuple(layer_from_dict(e) for e in _list(d["layers"]))
+    layouts = version >= BLOCKED_VERSION
+    layers = tuple(layer_from_dict(e, layouts) for e in _list(d["layers"]))
     return Manifest(
         model_type=_str(d["model_type"]),
         dtype=_str(d["dtype"]),
@@ -255,8 +315,9 @@ def _from_dict(d: dict[str, Any]) -> Manifest:
     )
 
 
-def layer_from_dict(e: dict[str, Any]) -> ExpertLayer:
-    """One `layers` entry of manifest.json (unvalidated: see `validate_layer`)."""
+def layer_from_dict(e: dict[str, Any], layouts: bool = True) -> ExpertLayer:
+    """One `layers` entry of manifest.json (unvalidated: see `validate_layer`);
+    without `layouts` (format v1) a segment has no "layout" key."""
     return ExpertLayer(
         layer=_int(e["layer"]),
         module=_str(e["module"]),
@@ -265,7 +326,7 @@ def layer_from_dict(e: dict[str, Any]) -> ExpertLayer:
         stride=_int(e["stride"]),
         data_offset=_int(e["data_offset"]),
         record_nbytes=_int(e["record_nbytes"]),
-        segments=tuple(_segment(s) for s in _list(e["segments"])),
+        segments=tuple(_segment(s, layouts) for s in _list(e["segments"])),
         checksums=tuple(_str(c) for c in _list(e["checksums"])),
     )
 
@@ -298,7 +359,12 @@ def _opt_int(v: Any) -> int | None:
     return None if v is None else _int(v)
 
 
-def _segment(s: dict[str, Any]) -> Segment:
+def _segment(s: dict[str, Any], layouts: bool) -> Segment:
+    if "layout" in s and not layouts:
+        raise FormatError(
+            f"Segment {s['name']!r:.80} has a layout, which format version "
+            f"{FORMAT_VERSION} does not have; convert again."
+        )
     return Segment(
         name=_str(s["name"]),
         dtype=_str(s["dtype"]),
@@ -308,6 +374,7 @@ def _segment(s: dict[str, Any]) -> Segment:
         bits=_opt_int(s.get("bits")),
         group_size=_opt_int(s.get("group_size")),
         mode=None if s.get("mode") is None else _str(s["mode"]),
+        layout=_str(s.get("layout", ROWS)),
     )
 
 
@@ -316,6 +383,11 @@ def validate(m: Manifest, directory: Path) -> None:
     if m.checksum_algorithm != CHECKSUM_ALGORITHM:
         raise FormatError(
             f"Unknown checksum algorithm {m.checksum_algorithm!r}; convert again."
+        )
+    if m.version >= BLOCKED_VERSION and not m.blocked:
+        raise FormatError(
+            f"Format version {m.version} without any blocked segment: no "
+            "moestream writes that; convert again."
         )
     for f in (*m.dense_files, *m.file_checksums):
         inside(directory, f)
@@ -367,6 +439,30 @@ def validate_layer(layer: ExpertLayer, where: str) -> None:
         raise FormatError(
             f"{where}: segments end at {end}, record says {layer.record_nbytes}."
         )
+    _validate_layouts(layer, where)
+
+
+def _validate_layouts(layer: ExpertLayer, where: str) -> None:
+    """A blocked segment is 2-D with whole blocks of rows, and a projection's
+    2-D segments (weight, scales, biases) share one layout."""
+    layouts: dict[str, str] = {}
+    for s in layer.segments:
+        if s.layout not in LAYOUTS:
+            raise FormatError(
+                f"{where}: segment {s.name} has unknown layout {s.layout!r:.80} "
+                f"(one of {', '.join(LAYOUTS)}); upgrade moestream or convert again."
+            )
+        if s.blocked and (len(s.shape) != 2 or s.shape[0] % BLOCK_ROWS):
+            raise FormatError(
+                f"{where}: segment {s.name} {s.shape} is blocked but is not 2-D "
+                f"with rows a multiple of {BLOCK_ROWS}; convert again."
+            )
+        first = layouts.setdefault(s.projection, s.layout) if len(s.shape) == 2 else ""
+        if first and first != s.layout:
+            raise FormatError(
+                f"{where}: projection {s.projection} mixes blocked and row-major "
+                "segments; convert again."
+            )
 
 
 def _validate_segment(s: Segment, where: str) -> None:

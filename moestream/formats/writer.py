@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from .blob import write_blob
-from .manifest import MANIFEST_NAME, ExpertLayer, Manifest
+from .manifest import MANIFEST_NAME, ExpertLayer, Manifest, format_version
 from .recipe import Recipe
 from .verify import file_checksum
 
@@ -107,17 +107,20 @@ class ModelWriter:
         source: dict[str, Any],
         created_by: str,
     ) -> Manifest:
-        """The manifest, with the crc32 of every file beside the blobs."""
+        """The manifest, with the crc32 of every file beside the blobs (format
+        version 2 where a record is stored blocked, else 1)."""
         self._expect(WriterState.FILES)
+        layers = tuple(sorted(self.layers, key=lambda e: e.layer))
         manifest = Manifest(
             model_type=model_type,
             dtype=dtype,
             recipe=recipe,
-            layers=tuple(sorted(self.layers, key=lambda e: e.layer)),
+            layers=layers,
             dense_files=tuple(self.dense_files),
             source=source,
             created_by=created_by,
             file_checksums=self._file_checksums(),
+            version=format_version(layers),
         )
         manifest.save(self.directory)
         self.state = WriterState.MANIFEST

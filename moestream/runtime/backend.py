@@ -152,6 +152,7 @@ def resolve(
     compute = compute_dtype(cfg.dtype, manifest.dtype, gpu)
     engine = _engine(t, gpu)
     _check_python(cfg, engine)
+    _check_records(manifest, engine, gpu)
     kernel = _kernel_runs(t, engine, gpu)
     _check_fast(cfg, gpu, compute)
     args = (manifest, model_config, dense, getattr(mx, compute), process())
@@ -219,6 +220,18 @@ def _check_python(cfg: RuntimeConfig, engine: str) -> None:
                 f"The python engine has no {what}; use engine='native' or leave "
                 "it unset."
             )
+
+
+def _check_records(manifest: Manifest, engine: str, gpu: bool) -> None:
+    """The native engine's GPU path copies records to its slots as they are
+    stored, in rows: records stored blocked (format v2) are the CPU's. The
+    python engine unblocks them as it fills its slots (store.SlotFiller)."""
+    if gpu and engine == "native" and manifest.blocked:
+        raise native.NativeEngineError(
+            "This model's expert records are blocked for the CPU kernel "
+            "(convert-moe --layout blocked); a GPU reads row-major records: "
+            "convert again with --layout rows."
+        )
 
 
 def _check_fast(cfg: RuntimeConfig, gpu: bool, compute: str) -> None:

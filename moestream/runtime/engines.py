@@ -17,7 +17,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from ..formats import ExpertLayer
+from ..formats import BLOCK_ROWS, ExpertLayer
 from . import native
 from .backend import ExecutionPlan
 from .pool import SlotPool
@@ -160,7 +160,7 @@ class PythonEngine(_Base):
         t = plan.tuning
         self.pool = SlotPool(capacity, layer.num_experts, t.policy, t.lrfu_decay)
         # host views of the slots (on a GPU they become managed memory)
-        lanes = native.kernel_block() if blocked else 0
+        lanes = BLOCK_ROWS if blocked else 0
         self.filler = SlotFiller(store, layer, slots, lanes)
 
     def slots(self, x: mx.array, indices: mx.array) -> mx.array:

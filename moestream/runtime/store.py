@@ -14,6 +14,7 @@ import numpy as np
 from ..families import DTYPE_NAMES
 from ..formats import BlobReader, ExpertLayer, FormatError, Manifest, Segment
 from ..formats.blob import NUMPY_DTYPES
+from ..formats.layout import BLOCK_ROWS, blocked, unblocked
 from ..formats.manifest import inside
 
 
@@ -116,30 +117,15 @@ def writable_view(a: mx.array) -> np.ndarray:
     return np.frombuffer(memoryview(a), RAW_DTYPES[a.dtype.size]).reshape(a.shape)
 
 
-def blocked(a: np.ndarray, lanes: int) -> np.ndarray:
-    """`a` `[..., rows, cols]` as the CPU kernel's blocked slots hold it
-    (csrc/cpu_experts.h): `lanes` rows at a time, element c of those rows side
-    by side (`[..., rows / lanes, cols, lanes]`), in `a`'s shape."""
-    *lead, rows, cols = a.shape
-    b = a.reshape(*lead, rows // lanes, lanes, cols).swapaxes(-1, -2)
-    return np.ascontiguousarray(b).reshape(a.shape)
-
-
-def unblocked(a: np.ndarray, lanes: int) -> np.ndarray:
-    """`blocked`'s inverse: the rows of a blocked `[..., rows, cols]` array."""
-    *lead, rows, cols = a.shape
-    b = a.reshape(*lead, rows // lanes, cols, lanes).swapaxes(-1, -2)
-    return np.ascontiguousarray(b).reshape(a.shape)
-
-
 class SlotFiller:
     """Reads expert records straight into slot arrays: one preadv per expert.
 
-    Segments stored in the slot dtype land in the slot's memory directly;
-    float segments stored in another float dtype are read into a staging
-    buffer and converted as MLX converts them (`cast_into`). With `lanes`
-    (the CPU kernel's blocked slots) every segment goes through staging and
-    is written blocked (`blocked`), cast first where it must be.
+    `lanes`: the slots hold each projection blocked by that many rows (the
+    CPU kernel's blocked slots), 0 in rows. A segment stored as the slot
+    holds it (its layout and dtype) lands in the slot's memory directly;
+    else it is read into a staging buffer, then cast as MLX casts
+    (`cast_into`, elementwise: a cast keeps the layout), unblocked or
+    blocked as the slot needs.
     """
 
     def __init__(
@@ -156,13 +142,17 @@ class SlotFiller:
         self.order = sorted(range(len(slots)), key=lambda i: layer.segments[i].offset)
         self.lanes = lanes
 
+    def _as_stored(self, seg: Segment) -> bool:
+        """Whether the slot holds `seg` in the layout it is stored in."""
+        return (BLOCK_ROWS if seg.blocked else 0) == self.lanes
+
     def fill(self, expert: int, slot: int) -> None:
         buffers, staged, pos = [], [], 0
         for i in self.order:
             seg = self.layer.segments[i]
             if seg.offset > pos:
                 buffers.append(self.staging[pos : seg.offset])
-            if seg.dtype == DTYPE_NAMES[self.dtypes[i]] and not self.lanes:
+            if seg.dtype == DTYPE_NAMES[self.dtypes[i]] and self._as_stored(seg):
                 buffers.append(memoryview(self.views[i][slot]).cast("B"))
             else:
                 buffers.append(self.staging[seg.offset : seg.offset + seg.nbytes])
@@ -173,21 +163,24 @@ class SlotFiller:
             self._write(self.layer.segments[i], self.views[i][slot], self.dtypes[i])
 
     def _write(self, seg: Segment, dst: np.ndarray, dtype: mx.Dtype) -> None:
-        """A staged segment into its slot `dst`: cast, blocked, or both."""
+        """A staged segment into its slot `dst`: cast, (un)blocked, or both."""
         raw = np.frombuffer(
             self.staging,
             NUMPY_DTYPES[seg.dtype],
             offset=seg.offset,
             count=seg.nbytes // NUMPY_DTYPES[seg.dtype]().itemsize,
         ).reshape(seg.shape)
-        if not self.lanes:
+        if self._as_stored(seg):  # only the dtype differs
             cast_into(raw, seg.dtype, dtype, dst)
             return
+        if seg.blocked:
+            raw = unblocked(raw)
         if seg.dtype != DTYPE_NAMES[dtype]:
             words = np.empty_like(dst)
             cast_into(raw, seg.dtype, dtype, words)
             raw = words
-        dst[...] = blocked(raw.view(dst.dtype), self.lanes)
+        raw = raw.view(dst.dtype)
+        dst[...] = blocked(raw, self.lanes) if self.lanes else raw
 
 
 def cast_into(raw: np.ndarray, stored: str, dtype: mx.Dtype, out: np.ndarray) -> None:

@@ -14,7 +14,8 @@ call to the routed experts' ids and the CPU kernel reads their records in
 place, from the blob mapped into memory (the page cache is the expert cache).
 
 Where the CPU kernel computes every call of a layer, its slots hold each
-projection blocked, the kernel's layout (`blocked`): only the kernel reads them.
+projection blocked, the kernel's layout (`blocked`, BLOCK_ROWS rows at a
+time, as records stored blocked hold them): only the kernel reads them.
 
 Slots are written in place. Every output a streaming layer returns is kept in
 a list shared by the model's layers and evaluated right after the next host
@@ -33,7 +34,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..formats import ExpertLayer
+from ..formats import BLOCK_ROWS, ExpertLayer
 from . import native
 from .backend import ExecutionPlan
 from .engines import Engine, Outstanding, Routing, make_engine
@@ -137,9 +138,8 @@ class StreamingSwitchGLU(nn.Module):
         no slots) and every projection's rows fill whole blocks."""
         if plan.fast or plan.mapped or self._float_dtype != mx.float32:
             return False
-        lanes = native.kernel_block()
         segments = self._layer.segments
-        return all(len(s.shape) == 2 and s.shape[0] % lanes == 0 for s in segments)
+        return all(len(s.shape) == 2 and s.shape[0] % BLOCK_ROWS == 0 for s in segments)
 
     def _allocate_slots(self) -> list[tuple[nn.Module, str]]:
         """Replace each expert tensor of the inner module by `[capacity, ...]` slots."""
