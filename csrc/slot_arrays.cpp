@@ -27,10 +27,11 @@ void SlotArrays::bind(std::vector<mlx::core::array> s, bool gpu_slots,
     if ((seg.slot_blocked || seg.record_blocked) &&
         (gpu_slots || seg.rows <= 0 || seg.rows % kernel_block() ||
          seg.rows * seg.row_bytes != bytes ||
-         (turned && (s[i].itemsize() != 4 || seg.row_bytes % 4)))) {
+         (turned && seg.row_bytes % s[i].itemsize()) ||
+         (seg.slot_blocked && s[i].itemsize() != 4))) {
       throw std::invalid_argument(
-          "a blocked segment or record needs CPU slots (of 4-byte elements "
-          "where only one is blocked), its rows a multiple of kernel_block()");
+          "a blocked segment or record needs CPU slots (blocked slots of "
+          "4-byte elements), its rows a multiple of kernel_block()");
     }
   }
   slots = std::move(s);
@@ -44,7 +45,7 @@ void SlotArrays::fill_host(const uint8_t* record, int slot) {
     uint8_t* dst = a.data<uint8_t>() + slot * slot_bytes;
     const uint8_t* src = record + seg.offset;
     if (seg.slot_blocked != seg.record_blocked) {
-      turn_host(src, seg, dst);
+      turn_host(src, seg, int(a.itemsize()), dst);
     } else if (seg.cast == Cast::None) {
       std::memcpy(dst, src, seg.nbytes);
     } else {
@@ -62,19 +63,33 @@ void SlotArrays::cast_host(const uint8_t* src, const Segment& seg,
 }
 
 // Cast first where the segment is stored otherwise (a cast keeps the
-// layout), then the kernel's block_rows or unblock_rows (cpu_experts.h).
-void SlotArrays::turn_host(const uint8_t* src, const Segment& seg,
+// layout), then blocked or unblocked: the kernel's block_rows and
+// unblock_rows (cpu_experts.h) for 4-byte elements, element by element for
+// 2-byte ones (bfloat16 or float16 slots).
+void SlotArrays::turn_host(const uint8_t* src, const Segment& seg, int elem,
                            uint8_t* out) {
-  const int64_t cols = seg.row_bytes / 4;
-  uint32_t* dst = reinterpret_cast<uint32_t*>(out);
-  auto turn = seg.slot_blocked ? block_rows : unblock_rows;
-  if (seg.cast == Cast::None) {
-    turn(src, seg.rows, cols, dst);
+  const int64_t cols = seg.row_bytes / elem;
+  std::vector<uint8_t> cast;
+  if (seg.cast != Cast::None) {
+    cast.resize(seg.rows * seg.row_bytes);
+    cast_host(src, seg, cast.data());
+    src = cast.data();
+  }
+  if (elem == 4) {
+    auto turn = seg.slot_blocked ? block_rows : unblock_rows;
+    turn(src, seg.rows, cols, reinterpret_cast<uint32_t*>(out));
     return;
   }
-  std::vector<uint32_t> cast(seg.rows * cols);
-  cast_host(src, seg, reinterpret_cast<uint8_t*>(cast.data()));
-  turn(reinterpret_cast<const uint8_t*>(cast.data()), seg.rows, cols, dst);
+  const int64_t block = kernel_block();
+  for (int64_t r = 0; r < seg.rows; r++) {
+    for (int64_t c = 0; c < cols; c++) {
+      int64_t rows_at = r * cols + c;
+      int64_t blocked_at = ((r / block) * cols + c) * block + r % block;
+      int64_t from = seg.slot_blocked ? rows_at : blocked_at;
+      int64_t to = seg.slot_blocked ? blocked_at : rows_at;
+      std::memcpy(out + to * elem, src + from * elem, elem);
+    }
+  }
 }
 
 } // namespace moestream

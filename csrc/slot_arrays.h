@@ -34,9 +34,11 @@ class SlotArrays {
   void fill_host(const uint8_t* record, int slot);
   // A stored float segment in the slot's float dtype, at `out` (cast.h).
   static void cast_host(const uint8_t* src, const Segment& seg, uint8_t* out);
-  // A segment whose slot and record disagree on the blocked layout, at `out`:
-  // cast where it is stored otherwise, then blocked or unblocked.
-  static void turn_host(const uint8_t* src, const Segment& seg, uint8_t* out);
+  // A segment whose slot and record disagree on the blocked layout, at `out`
+  // (slot elements of `elem` bytes): cast where it is stored otherwise, then
+  // blocked or unblocked.
+  static void turn_host(const uint8_t* src, const Segment& seg, int elem,
+                        uint8_t* out);
 
   const std::vector<Segment> segments;
   std::vector<mlx::core::array> slots;

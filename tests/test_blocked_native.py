@@ -87,7 +87,7 @@ def test_blocked_records_give_the_resident_models_logits(case, load):
     if load == "mapped":  # the blocked reads, not a fallback
         layers = [m for _, m in model.named_modules() if hasattr(m, "_mapped")]
         assert layers and all(all(p[-1] for p in m._mapped.projections) for m in layers)
-    else:
+    elif options["cache_experts"] < 8:  # every slot is filled at load
         assert moestream.stats(model).misses > 0
 
 
@@ -96,9 +96,10 @@ def test_gpu_slots_refuse_blocked_records(case):
     the cache refuses to bind them (the loader says so first, in one line)."""
     out, _ = case
     layer = load_manifest(out).layers[0]
-    slots = [mx.zeros((2, *s.shape), mx.float32) for s in layer.segments]
+    slots = [mx.zeros((2, *s.shape), getattr(mx, s.dtype)) for s in layer.segments]
     segments = [
-        (s.offset, s.nbytes, 0, s.shape[0], 0, False, True) for s in layer.segments
+        (s.offset, s.nbytes, 0, s.shape[0], s.nbytes // s.shape[0], False, True)
+        for s in layer.segments
     ]
     cache = native._native.ExpertCache(
         path=str(out / layer.file),

@@ -179,8 +179,8 @@ def _segment(seg: Segment, slots: mx.array, blocked: bool) -> tuple:
     stored = seg.layout == "blocked"
     if not (blocked or stored):
         return (*head, 0, 0, False, False)
-    rows = seg.shape[0]
-    return (*head, rows, slots.nbytes // slots.shape[0] // rows, blocked, stored)
+    rows, cols = seg.shape
+    return (*head, rows, cols * slots.dtype.size, blocked, stored)
 
 
 def _tune(
