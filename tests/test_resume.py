@@ -86,6 +86,23 @@ def test_resume_reuses_finished_layers_byte_identical(
     same_files(out, converted)
 
 
+def test_resume_of_blocked_records(hf_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """An interrupted --layout blocked conversion resumes with --layout blocked
+    only (its journal holds blocked layers), to the bytes of one run."""
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    convert(str(hf_dir), fresh, bits=BITS, progress=False, layout="blocked")
+    interrupt_after(monkeypatch, "_write_layer", 2)
+    with pytest.raises(Interrupt):
+        convert(str(hf_dir), out, bits=BITS, progress=False, layout="blocked")
+    monkeypatch.undo()
+    with pytest.raises(ResumeError, match=r"different layout; resume with the same"):
+        convert(str(hf_dir), out, bits=BITS, progress=False, resume=True)
+    written = count_calls(monkeypatch, "_write_layer")
+    convert(str(hf_dir), out, bits=BITS, progress=False, resume=True, layout="blocked")
+    assert [args[2] for args in written] == [2]  # layer 0 reused, blocked
+    same_files(out, fresh)
+
+
 def test_resume_redoes_a_damaged_layer(
     hf_dir: Path, converted: Path, tmp_path: Path, monkeypatch
 ) -> None:
@@ -111,6 +128,7 @@ def test_resume_redoes_a_damaged_layer(
     [
         ({"bits": "down_proj=8"}, "recipe"),
         ({"bits": BITS, "dtype": "float32"}, "dtype"),
+        ({"bits": BITS, "layout": "blocked"}, "layout"),
     ],
 )
 def test_resume_refuses_other_options_or_source(
