@@ -42,9 +42,20 @@ def bench_group() -> None:
     help="Also write the same weights as an mlx-lm directory.",
 )
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--layout",
+    type=click.Choice(["rows", "blocked"]),
+    default="rows",
+    show_default=True,
+    help="Expert records as convert-moe --layout writes them; the same "
+    "weights either way (a seed's values, then their layout).",
+)
 @common_options
-def make_model_cmd(scale: str, out: Path, export_mlx: Path | None, seed: int) -> None:
-    """Write a synthetic Qwen3-MoE benchmark model straight into format v1.
+def make_model_cmd(
+    scale: str, out: Path, export_mlx: Path | None, seed: int, layout: str
+) -> None:
+    """Write a synthetic Qwen3-MoE benchmark model straight into moestream's
+    format.
 
     small: 16 layers x 64 experts, top-8, hidden 1024; medium: 24 x 128,
     hidden 2048; large: 48 x 256 (more than a 24 GB machine's RAM).
@@ -62,7 +73,7 @@ def make_model_cmd(scale: str, out: Path, export_mlx: Path | None, seed: int) ->
                 f"{human_bytes(free)} free under {out.parent}."
             )
         start = time.perf_counter()
-        manifest = write_synthetic(out, SCALES[scale], seed=seed)
+        manifest = write_synthetic(out, SCALES[scale], seed=seed, layout=layout)
         click.echo(
             f"wrote {out}: {human_bytes(manifest.expert_bytes)} of experts in "
             f"{time.perf_counter() - start:.0f} s"

@@ -30,6 +30,8 @@ from ..formats import (
     Manifest,
     ModelWriter,
     Recipe,
+    blocked,
+    blocked_layout,
     layer_layout,
     load_manifest,
 )
@@ -92,9 +94,15 @@ SCALES = {
 
 
 def write_synthetic(
-    out: Path, scale: Scale, recipe: Recipe | None = None, seed: int = 0
+    out: Path,
+    scale: Scale,
+    recipe: Recipe | None = None,
+    seed: int = 0,
+    layout: str = "rows",
 ) -> Manifest:
-    """Write a complete converted model of `scale` to `out` (temp dir, then rename)."""
+    """Write a complete converted model of `scale` to `out` (temp dir, then
+    rename); `layout` "blocked" stores the same values as convert-moe --layout
+    blocked would."""
     recipe = recipe or Recipe()
     config = scale.config()
     tmp = out.with_name(f".{out.name}.tmp")
@@ -102,7 +110,7 @@ def write_synthetic(
     (tmp / "experts").mkdir(parents=True)
     writer = ModelWriter(tmp)
     try:
-        manifest = _write_into(writer, config, recipe, scale, seed)
+        manifest = _write_into(writer, config, recipe, scale, seed, layout)
         writer.publish(out)
     except BaseException:
         shutil.rmtree(writer.directory, ignore_errors=True)
@@ -111,7 +119,12 @@ def write_synthetic(
 
 
 def _write_into(
-    writer: ModelWriter, config: dict, recipe: Recipe, scale: Scale, seed: int
+    writer: ModelWriter,
+    config: dict,
+    recipe: Recipe,
+    scale: Scale,
+    seed: int,
+    layout: str,
 ) -> Manifest:
     mx.random.seed(seed)
     model = build_model(config)
@@ -131,7 +144,7 @@ def _write_into(
     for spath, layer in sorted(switches.items(), key=lambda kv: kv[1]):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             quantization[f"{spath}.{proj}"] = recipe.expert_spec(proj, layer).to_mlx()
-        _write_layer(writer, spath, layer, model, quantization, pool, rng)
+        _write_layer(writer, spath, layer, model, quantization, pool, rng, layout)
     writer.close_tensors()
     writer.write_config(config, quantization)
     write_tokenizer(writer.directory)
@@ -152,6 +165,7 @@ def _write_layer(
     quantization: dict,
     pool: np.ndarray,
     rng: np.random.Generator,
+    layout: str,
 ) -> ExpertLayer:
     switch = module_at(model, spath)
     shapes = {}
@@ -165,6 +179,8 @@ def _write_layer(
         spec.append((f"{proj}.scales", "bfloat16", (o, i // gs), q))
         spec.append((f"{proj}.biases", "bfloat16", (o, i // gs), q))
     entry = layer_layout(layer, spath, num_experts, spec)
+    if layout == "blocked":
+        entry = blocked_layout(entry)
     return writer.add_layer(entry, _records(entry, shapes, pool, rng))
 
 
@@ -187,6 +203,9 @@ def _records(
                 value = 2 * a / levels if kind == "scales" else -a
                 jitter = 1 + 0.25 * rng.standard_normal(n).astype(np.float32)
                 data = _bf16(value * jitter).tobytes()
+            if seg.blocked:  # the same values, stored as the kernel reads them
+                dtype = np.uint32 if kind == "weight" else np.uint16
+                data = blocked(np.frombuffer(data, dtype).reshape(seg.shape)).tobytes()
             buf[seg.offset : seg.offset + seg.nbytes] = data
         yield bytes(buf)
 
