@@ -64,7 +64,7 @@ class Segment:
     bits: int | None = None
     group_size: int | None = None
     mode: str | None = None
-    layout: str = ROWS
+    layout: str = ROWS  # or BLOCKED (format v2): how a 2-D segment's bytes run
 
     @property
     def projection(self) -> str:
