@@ -132,6 +132,25 @@ def test_llama_rows_one_set_per_n_cpu_moe(tmp_path: Path) -> None:
     ]
 
 
+def test_compare_rows_for_other_runtime_fields(synthetic) -> None:
+    """`compare --compare backend=mapped`: a moestream row of those fields
+    beside each budget's, labelled with them, its job carrying them."""
+    from moestream.bench.peer import PeerConfig, moestream_rows
+
+    cfg = PeerConfig(
+        out=synthetic,
+        ggufs=(),
+        exe=synthetic / "llama-bench",
+        budgets=(100,),
+        resident=False,
+        compare=(("backend=mapped", {"backend": "mapped"}),),
+    )
+    rows = moestream_rows(cfg)
+    assert [r.slots for r in rows] == ["4 (100 %)", "4 (100 %) backend=mapped"]
+    jobs = [r.decode_run.__defaults__[0] for r in rows]
+    assert [j.runtime.backend for j in jobs] == ["auto", "mapped"]
+
+
 def test_a_failing_llama_bench_says_why_and_what_to_do(tmp_path: Path) -> None:
     from moestream.bench.llama_cpp import LlamaJob, ToolError, run_llama_bench
 

@@ -188,6 +188,13 @@ def _llama_gpu_options(fn: F) -> F:
     "--no-resident", is_flag=True, help="No mlx-lm row (a model larger than RAM)."
 )
 @click.option(
+    "--compare",
+    multiple=True,
+    metavar="FIELD=VALUE[,...]",
+    help="More moestream rows with these RuntimeConfig fields (repeatable), "
+    "e.g. backend=mapped.",
+)
+@click.option(
     "--build-dir", type=click.Path(path_type=Path), default=BUILD, show_default=True
 )
 @click.option("--json", "as_json", is_flag=True)
@@ -208,13 +215,14 @@ def compare_cmd(
     llama_args: tuple[str, ...],
     cuda: bool,
     no_resident: bool,
+    compare: tuple[str, ...],
     build_dir: Path,
     as_json: bool,
 ) -> None:
     """One table: llama.cpp, mlx-lm resident and moestream on MODEL's weights."""
     import json
 
-    from .cli import _floats
+    from .cli import _floats, parse_compare
     from .peer import PeerConfig, main
 
     def run() -> None:
@@ -236,6 +244,7 @@ def compare_cmd(
             n_cpu_moe=(*n_cpu_moe, *([layers] if cpu_moe else [])) or (None,),
             llama_extra=llama_args,
             resident=not no_resident,
+            compare=tuple(parse_compare(c) for c in compare),
         )
         main(cfg, as_json)
 

@@ -38,6 +38,8 @@ class PeerConfig:
     n_cpu_moe: tuple[int | None, ...] = (None,)
     llama_extra: tuple[str, ...] = ()
     resident: bool = True  # the mlx-lm row (off where it does not fit in RAM)
+    # more moestream rows: (label, RuntimeConfig or Tuning fields), e.g. mapped
+    compare: tuple[tuple[str, dict], ...] = ()
     bench: BenchConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +50,7 @@ class PeerConfig:
             self.decode_tokens,
             self.prompt_tokens,
             verify_cost=False,
+            compare=self.compare,
         )
         object.__setattr__(self, "bench", cfg)
 
@@ -76,7 +79,8 @@ def moestream_rows(cfg: PeerConfig) -> list[PeerRow]:
                 "mlx-lm resident" if row.job.capacity is None else "moestream",
                 "-"
                 if row.job.capacity is None
-                else f"{row.job.capacity} ({row.budget_pct:g} %)",
+                else f"{row.job.capacity} ({row.budget_pct:g} %)"
+                + (f" {row.variant}" if row.variant else ""),
                 row.mode,
                 lambda j=row.job: run_job(j),
                 (lambda j=pre: run_job(j)) if cfg.prompt_tokens else None,
