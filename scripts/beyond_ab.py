@@ -7,8 +7,11 @@ cold job, then its warm one, under one balloon, in a rotated order.
 
 `moestream bench beyond-ram` runs its rows in one order every repeat, so a
 machine that slows down over a repeat (other processes' load) counts against
-its later rows. Here the first `--compare` is the base; every round starts at
-the next variant and every other round runs backwards, and each variant's
+its later rows. A `--compare` may name another conversion of the same
+weights (`model=DIR`, e.g. `convert-moe --layout blocked`) beside its
+fields (`backend=mapped,model=build/medium-blocked`). Here the first
+`--compare` is the base; every round starts at
+the next variant and every other pass through them runs backwards, and each variant's
 tok/s is divided by the base's of the same round. Prints each variant's
 median tok/s cold and warm, the per-round ratios to the base and their
 median, and the CPU time a cold decode token took. Jobs are the bench's own
@@ -18,8 +21,10 @@ median, and the CPU time a cold decode token took. Jobs are the bench's own
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from moestream.bench.balloon import Balloon
@@ -29,9 +34,20 @@ from moestream.units import parse_size
 
 
 def _order(variants: list, round_: int) -> list:
+    """Rotated by one a round, and backwards every other pass through the
+    rotations (with two variants: ab, ba, ba, ab)."""
     start = round_ % len(variants)
     order = variants[start:] + variants[:start]
-    return order[::-1] if round_ % 2 else order
+    return order[::-1] if round_ // len(variants) % 2 else order
+
+
+def _variant(text: str) -> tuple[str, dict, Path | None]:
+    """`--compare` text -> (label, runtime fields, another model or None)."""
+    parts = text.split(",")
+    models = [p.partition("=")[2] for p in parts if p.startswith("model=")]
+    rest = ",".join(p for p in parts if not p.startswith("model="))
+    fields = parse_compare(rest)[1] if rest else {}
+    return text, fields, Path(models[-1]) if models else None
 
 
 def _cells(values: list[float]) -> str:
@@ -47,24 +63,38 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--floor", default="5.5G")
     p.add_argument("--trace", type=Path)
+    p.add_argument(
+        "--no-balloon",
+        action="store_true",
+        help="no balloon: a model larger than the machine's whole RAM",
+    )
     args = p.parse_args()
-    variants = [parse_compare(text) for text in args.compare]
+    variants = [_variant(text) for text in args.compare]
     cfg = BeyondConfig(
         out=args.out, gguf=None, exe=None, decode_tokens=args.tokens, trace=args.trace
     )
     floor = max(parse_size(args.floor), 4 << 30)  # as the bench: never under 4G
     runs: dict[str, dict[str, list[float]]] = {
-        name: {"cold": [], "warm": [], "cpu": []} for name, _ in variants
+        name: {"cold": [], "warm": [], "cpu": [], "tokens": []}
+        for name, _, _ in variants
     }
-    with Balloon(leave=floor + (512 << 20), floor=floor) as balloon:
-        print(f"balloon holds {balloon.held >> 20} MB", flush=True)
+    balloon = (
+        contextlib.nullcontext()
+        if args.no_balloon
+        else Balloon(leave=floor + (512 << 20), floor=floor)
+    )
+    with balloon as held:
+        if held is not None:
+            print(f"balloon holds {held.held >> 20} MB", flush=True)
         for r in range(args.rounds):
-            for name, fields in _order(variants, r):
-                cold = _moe(moestream_job(cfg, args.budget, True, fields))
-                warm = _moe(moestream_job(cfg, args.budget, False, fields))
+            for name, fields, model in _order(variants, r):
+                at = replace(cfg, out=model) if model else cfg
+                cold = _moe(moestream_job(at, args.budget, True, fields))
+                warm = _moe(moestream_job(at, args.budget, False, fields))
                 runs[name]["cold"].append(cold["tps"])
                 runs[name]["warm"].append(warm["tps"])
                 runs[name]["cpu"].append(cold["cpu"])
+                runs[name]["tokens"] += [cold["tokens"], warm["tokens"]]
                 print(
                     f"{time.strftime('%H:%M:%S')} round {r} {name}: cold "
                     f"{cold['tps']:.2f} warm {warm['tps']:.2f} tok/s",
@@ -73,10 +103,11 @@ def main() -> None:
     base = runs[variants[0][0]]
     print(
         "\n| variant | cold tok/s (rounds) | warm tok/s (rounds) "
-        "| cold / base (median) | warm / base (median) | CPU ms/tok cold |"
+        "| cold / base (median) | warm / base (median) | CPU ms/tok cold "
+        "| tokens = base |"
     )
-    print("|---|---|---|---|---|---|")
-    for name, _ in variants:
+    print("|---|---|---|---|---|---|---|")
+    for name, _, _ in variants:
         v = runs[name]
         cold = [a / b for a, b in zip(v["cold"], base["cold"], strict=True)]
         warm = [a / b for a, b in zip(v["warm"], base["warm"], strict=True)]
@@ -85,7 +116,8 @@ def main() -> None:
             f"| {statistics.median(v['warm']):.2f} ({_cells(v['warm'])}) "
             f"| {_cells(cold)} ({statistics.median(cold):.2f}) "
             f"| {_cells(warm)} ({statistics.median(warm):.2f}) "
-            f"| {1e3 * statistics.median(v['cpu']):.0f} |"
+            f"| {1e3 * statistics.median(v['cpu']):.0f} "
+            f"| {all(t == base['tokens'][0] for t in v['tokens'])} |"
         )
 
 
