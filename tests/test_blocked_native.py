@@ -21,7 +21,8 @@ from moestream.bench.sysio import drop_cache
 from moestream.converter import convert
 from moestream.formats import BlobReader, Recipe, load_manifest
 from moestream.reference import resident_model
-from moestream.runtime import native
+from moestream.runtime import RuntimeConfig, native
+from moestream.runtime.loader import execution_for
 
 pytestmark = pytest.mark.skipif(
     not native.available() or not native.kernel_matches_mlx(),
@@ -75,6 +76,8 @@ def test_the_conversion_is_blocked(case):
     out, _ = case
     layers = load_manifest(out).layers
     assert {s.layout for layer in layers for s in layer.segments} == {"blocked"}
+    plan = execution_for(out, RuntimeConfig(backend="mapped"))
+    assert plan.blocked_records and not any("as rows" in w for w in plan.parts())
 
 
 @pytest.mark.parametrize("load", list(LOADS))

@@ -96,6 +96,8 @@ def test_no_slots_are_planned(converted: Path):
     text = format_plan({"plan": plan_dict(execution_for(converted, cfg), cfg)})
     assert "backend cpu-mapped, experts mapped" in text
     assert "mapped: no slots, the page cache holds them" in text
+    # records as rows: the plan names the layout the kernel reads faster
+    assert "records as rows (convert-moe --layout blocked: faster)" in text
     with pytest.raises(BudgetError, match="more than the budget") as e:
         plan_for(converted, RuntimeConfig(backend="mapped", memory_budget="1M"))
     assert "\n" not in str(e.value)
