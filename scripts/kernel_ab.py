@@ -24,7 +24,9 @@ differ from the first build's are reported: builds of an exact kernel agree
 bit for bit.
 
 After a colon a variant takes flags joined by `+`: `mapped` runs the mapped
-backend (no slots; `--pct` unused), `model=DIR` another conversion of the
+backend (no slots; `--pct` unused), `no-verify` skips the records'
+checksums (a mapped record's is checked the first time a call routes it),
+`model=DIR` another conversion of the
 same weights (e.g. `convert-moe --layout blocked`), so that two layouts of
 the records run side by side:
 
@@ -75,11 +77,12 @@ def child(
         native.norm_matches_mlx = lambda: False
 
     experts = load_manifest(Path(model_dir)).layers[0].num_experts
+    options = {"cpu_kernel": True, "verify": "no-verify" not in flags}
     if "mapped" in flags:
-        model, _ = load(Path(model_dir), backend="mapped", cpu_kernel=True)
+        model, _ = load(Path(model_dir), backend="mapped", **options)
     else:
         slots = max(8, round(experts * pct / 100))
-        model, _ = load(Path(model_dir), cache_experts=slots, cpu_kernel=True)
+        model, _ = load(Path(model_dir), cache_experts=slots, **options)
     out: dict = {"prefill": {}, "digest": {}}
     for p in prompts:
         prompt = mx.array([(7 * i + 3) % 8000 + 1 for i in range(p)])[None]

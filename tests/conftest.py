@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from builders.synthetic import tiny_qwen3_moe
-from helpers import BITS
+from helpers import BITS, PROMPT, logits_stepwise
 
 from moestream.converter import convert
 from moestream.formats import Recipe
@@ -44,6 +44,20 @@ def reference(hf_dir: Path, recipe: Recipe):
     from moestream.reference import resident_model
 
     return resident_model(hf_dir, recipe)
+
+
+@pytest.fixture(scope="session")
+def resident_logits(reference):
+    """logits_stepwise of the resident model on PROMPT by step count, computed
+    once for every test and engine (greedy: the same logits each time)."""
+    done: dict[int, list] = {}
+
+    def of(steps: int) -> list:
+        if steps not in done:
+            done[steps] = logits_stepwise(reference, PROMPT, steps)
+        return done[steps]
+
+    return of
 
 
 @pytest.fixture

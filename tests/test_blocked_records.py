@@ -347,18 +347,6 @@ def test_python_engine_exact_on_blocked_records(
     assert s.evictions > 0 or cache_experts == 8
 
 
-@pytest.fixture(scope="module")
-def resident_logits(reference):
-    done: dict[int, list[mx.array]] = {}
-
-    def of(steps: int) -> list[mx.array]:
-        if steps not in done:
-            done[steps] = logits_stepwise(reference, PROMPT, steps)
-        return done[steps]
-
-    return of
-
-
 @pytest.mark.parametrize(
     "options",
     [

@@ -36,20 +36,6 @@ def engine(request) -> dict:
     return ENGINES[request.param]
 
 
-@pytest.fixture(scope="module")
-def resident_logits(reference):
-    """logits_stepwise of the resident model on PROMPT by step count, computed
-    once for every test and engine (greedy: the same logits each time)."""
-    done: dict[int, list[mx.array]] = {}
-
-    def of(steps: int) -> list[mx.array]:
-        if steps not in done:
-            done[steps] = logits_stepwise(reference, PROMPT, steps)
-        return done[steps]
-
-    return of
-
-
 def once(fixture_cache: dict, key, build):
     """build() the first time `key` is asked for, then what it gave."""
     if key not in fixture_cache:
