@@ -414,3 +414,45 @@ def test_native_engine_on_a_gpu_refuses_blocked_records(
 
     with pytest.raises(native.NativeEngineError, match="convert again with --layout"):
         execution_for(blocked_out)
+
+
+# ---------------------------------------------------------------- relayout
+def test_relayout_equals_converting_the_source(
+    converted: Path, blocked_out: Path, tmp_path: Path
+) -> None:
+    """convert-moe OUT NEW --layout blocked (and back): the bytes a
+    conversion of the original checkpoint with that --layout writes."""
+    convert(str(converted), tmp_path / "blocked", layout="blocked", progress=False)
+    same_files(tmp_path / "blocked", blocked_out)
+    convert(str(blocked_out), tmp_path / "rows", layout="rows", progress=False)
+    same_files(tmp_path / "rows", converted)
+
+
+def test_relayout_refuses_other_options_and_a_damaged_source(
+    converted: Path, copy: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ConvertError, match="only --layout can change") as e:
+        convert(str(converted), tmp_path / "x", bits=BITS4, layout="blocked")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConvertError, match="already exists"):
+        convert(str(converted), copy, layout="blocked")
+    layer = load_manifest(copy).layers[0]
+    with open(copy / layer.file, "r+b") as f:  # one byte of one record flipped
+        f.seek(layer.data_offset + 3 * layer.stride + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(FormatError, match="expert 3 of layer") as e:
+        convert(str(copy), tmp_path / "y", layout="blocked", progress=False)
+    assert not (tmp_path / "y").exists()
+    assert not any(tmp_path.glob(".y*"))  # nothing half-written is left
+
+
+def test_cli_relayout(converted: Path, tmp_path: Path) -> None:
+    out = tmp_path / "blocked"
+    r = CliRunner().invoke(
+        convert_main, [str(converted), str(out), "--layout", "blocked"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "its records rewritten as blocked" in r.output
+    assert load_manifest(out).blocked

@@ -38,7 +38,8 @@ from ..options import CONTEXT, common_options
     default="rows",
     help="Expert records: rows (default), as MLX holds them, for any device; "
     "blocked, 16 rows at a time as the CPU kernel reads them, for CPU runs "
-    "(the mapped backend most). A GPU needs rows.",
+    "(the mapped backend most). A GPU needs rows. A converted SOURCE is "
+    "rewritten in this layout.",
 )
 @click.option("--revision", default=None, help="Hub revision (branch, tag, commit).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
@@ -59,7 +60,11 @@ def main(
     force: bool,
     resume: bool,
 ) -> None:
-    """Convert SOURCE (hub repo id or local directory) into a moestream model OUT."""
+    """Convert SOURCE (hub repo id or local directory) into a moestream model OUT.
+
+    SOURCE may also be a folder convert-moe wrote: OUT is then the same
+    model with its expert records in --layout, the other files copied.
+    """
     summary = user_errors(
         lambda: convert(
             source,

@@ -48,10 +48,11 @@ from ..formats import (
     pack_record,
 )
 from ..formats.dtypes import DTYPE_NAMES, FLOAT_DTYPES
-from ..formats.manifest import PAGE_SIZE
+from ..formats.manifest import PAGE_SIZE, inside
 from ..units import count, human_bytes, peak_rss
 from .hfconfig import rope_notes
 from .layouts import Layout, detect
+from .relayout import is_converted, relayout
 from .resume import (
     JOURNAL_NAME,
     LOCK_NAME,
@@ -149,6 +150,15 @@ def convert(
     v2, docs/format.md); "rows" (the default) as MLX holds it.
     """
     out = Path(out)
+    if is_converted(source):
+        return _relayout(
+            Path(source),
+            out,
+            (bits, q_group_size, dtype, revision, resume),
+            force,
+            layout,
+            progress,
+        )
     _check_options(out, bits, q_group_size, dtype, force, resume, layout)
     src = open_source(source, revision)
     start = time.perf_counter()  # after any download: GB/s of reading the source
@@ -184,6 +194,51 @@ def convert(
         source_bytes=sum(f.stat().st_size for f in set(src.files.values())),
         seconds=time.perf_counter() - start,
         peak_rss=peak_rss(),
+    )
+
+
+def _relayout(
+    source: Path, out: Path, others: tuple, force: bool, layout: str, progress: bool
+) -> ConvertSummary:
+    """A converted SOURCE in another --layout (relayout.py): only the layout
+    can change, so any other option is refused in one line."""
+    if any(o not in (None, False) for o in others):
+        raise ConvertError(
+            f"{source} is already converted: only --layout can change here; convert "
+            "the original checkpoint for other --bits, --q-group-size, --dtype, "
+            "--revision or --resume."
+        )
+    if layout not in LAYOUTS:
+        raise ConvertError(
+            f"Unknown --layout {layout}; use one of {', '.join(LAYOUTS)}."
+        )
+    _check_destination(out, force)
+    if out.resolve() == source.resolve():
+        raise ConvertError(
+            f"{out} is SOURCE itself; give another folder for the output."
+        )
+    start = time.perf_counter()
+    manifest = relayout(source, out, layout, progress)
+    records = [layer.record_nbytes for layer in manifest.layers]
+    weights = sum(
+        math.prod(seg.shape) * 32 // seg.bits * layer.num_experts
+        for layer in manifest.layers
+        for seg in layer.segments
+        if seg.name.endswith(".weight") and seg.bits
+    )
+    return ConvertSummary(
+        out=out,
+        moe_layers=len(manifest.layers),
+        experts=manifest.layers[0].num_experts if manifest.layers else 0,
+        record_bytes=(min(records, default=0), max(records, default=0)),
+        expert_bytes=manifest.expert_bytes,
+        dense_bytes=sum(inside(out, f).stat().st_size for f in manifest.dense_files),
+        expert_bits_per_weight=8 * manifest.expert_bytes / max(weights, 1),
+        source_layout=f"a moestream conversion, its records rewritten as {layout}",
+        source_bytes=manifest.expert_bytes,
+        seconds=time.perf_counter() - start,
+        peak_rss=peak_rss(),
+        blocked=manifest.blocked,
     )
 
 

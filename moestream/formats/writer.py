@@ -79,9 +79,22 @@ class ModelWriter:
         self.layers.append(entry)
         return entry
 
+    def copy_dense(self, files: Iterable[Path]) -> None:
+        """Another model's dense files (and index), taken as they are: the
+        dense part of a model written again in another record layout."""
+        self._expect(WriterState.TENSORS)
+        if self.dense.nbytes:
+            raise RuntimeError("ModelWriter: dense tensors and copied files, not both.")
+        for f in files:
+            shutil.copyfile(f, self.directory / f.name)
+            self.dense_files.append(f.name)
+
     def close_tensors(self) -> list[str]:
         """Flush the dense tensors; the dense file names."""
         self._expect(WriterState.TENSORS)
+        if self.dense_files:  # copied (copy_dense)
+            self.state = WriterState.FILES
+            return self.dense_files
         self.dense_files = self.dense.close()
         self.state = WriterState.FILES
         return self.dense_files

@@ -243,7 +243,7 @@ def _check_records(manifest: Manifest, engine: str, gpu: bool) -> None:
         raise native.NativeEngineError(
             "This model's expert records are blocked for the CPU kernel "
             "(convert-moe --layout blocked); a GPU reads row-major records: "
-            "convert again with --layout rows."
+            "convert-moe OUT OUT-ROWS --layout rows writes them so."
         )
 
 
