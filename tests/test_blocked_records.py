@@ -412,7 +412,7 @@ def test_native_engine_on_a_gpu_refuses_blocked_records(
     monkeypatch.setattr(backend, "_engine", lambda t, gpu: "native")
     from moestream.runtime.loader import execution_for
 
-    with pytest.raises(native.NativeEngineError, match="convert again with --layout"):
+    with pytest.raises(native.NativeEngineError, match="--layout rows writes them so"):
         execution_for(blocked_out)
 
 

@@ -35,11 +35,11 @@ from ..options import CONTEXT, common_options
 @click.option(
     "--layout",
     type=click.Choice(LAYOUTS),
-    default="rows",
+    default=None,
     help="Expert records: rows (default), as MLX holds them, for any device; "
     "blocked, 16 rows at a time as the CPU kernel reads them, for CPU runs "
-    "(the mapped backend most). A GPU needs rows. A converted SOURCE is "
-    "rewritten in this layout.",
+    "(the mapped backend most). A GPU needs rows. Given with a converted "
+    "SOURCE, its records are rewritten in this layout.",
 )
 @click.option("--revision", default=None, help="Hub revision (branch, tag, commit).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
@@ -55,7 +55,7 @@ def main(
     bits: str | None,
     q_group_size: int | None,
     dtype: str | None,
-    layout: str,
+    layout: str | None,
     revision: str | None,
     force: bool,
     resume: bool,

@@ -137,7 +137,7 @@ def convert(
     force: bool = False,
     progress: bool = True,
     resume: bool = False,
-    layout: str = "rows",
+    layout: str | None = None,
 ) -> ConvertSummary:
     """Convert `source` (hub id or directory) into a moestream directory `out`.
 
@@ -147,18 +147,39 @@ def convert(
     `resume`, an interrupted conversion there is finished, reusing its
     finished layers whose checksums verify. `layout` "blocked" stores each
     projection with whole blocks of rows as the CPU kernel reads it (format
-    v2, docs/format.md); "rows" (the default) as MLX holds it.
+    v2, docs/format.md); "rows" (the default) as MLX holds it. A converted
+    `source` is rewritten in the `layout` given (relayout.py).
     """
     out = Path(out)
     if is_converted(source):
-        return _relayout(
-            Path(source),
-            out,
-            (bits, q_group_size, dtype, revision, resume),
-            force,
-            layout,
-            progress,
-        )
+        others = (bits, q_group_size, dtype, revision, resume)
+        return _relayout(Path(source), out, others, force, layout, progress)
+    return _convert_checkpoint(
+        source,
+        out,
+        bits,
+        q_group_size,
+        dtype,
+        revision,
+        force,
+        progress,
+        resume,
+        layout or "rows",
+    )
+
+
+def _convert_checkpoint(
+    source: str,
+    out: Path,
+    bits: str | None,
+    q_group_size: int | None,
+    dtype: str | None,
+    revision: str | None,
+    force: bool,
+    progress: bool,
+    resume: bool,
+    layout: str,
+) -> ConvertSummary:
     _check_options(out, bits, q_group_size, dtype, force, resume, layout)
     src = open_source(source, revision)
     start = time.perf_counter()  # after any download: GB/s of reading the source
@@ -198,10 +219,20 @@ def convert(
 
 
 def _relayout(
-    source: Path, out: Path, others: tuple, force: bool, layout: str, progress: bool
+    source: Path,
+    out: Path,
+    others: tuple,
+    force: bool,
+    layout: str | None,
+    progress: bool,
 ) -> ConvertSummary:
     """A converted SOURCE in another --layout (relayout.py): only the layout
     can change, so any other option is refused in one line."""
+    if layout is None:
+        raise SourceError(
+            f"{source} is already a moestream model (it has manifest.json); run it "
+            "with run-moe, or give --layout rows or blocked to rewrite its records."
+        )
     if any(o not in (None, False) for o in others):
         raise ConvertError(
             f"{source} is already converted: only --layout can change here; convert "

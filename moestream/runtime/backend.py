@@ -159,21 +159,7 @@ def resolve(
     kernel = _kernel_runs(t, engine, gpu)
     _check_fast(cfg, gpu, compute)
     args = (manifest, model_config, dense, getattr(mx, compute), process())
-    if cfg.backend == "mapped":
-        _require_mapped(gpu, compute, kernel)
-        memory = _plan_mapped(cfg, *args)
-    else:
-        memory = _plan_slots(cfg, *args)
-        if cfg.backend == "auto" and _mapped_by_default(
-            cfg, memory, engine, gpu, compute, kernel, switches
-        ):
-            log.info(
-                "a slot for every expert does not fit: the experts stay mapped, "
-                "the page cache holds them (--backend slots: slots)"
-            )
-            memory = _plan_mapped(cfg, *args)
-    if engine == "native" and not memory.mapped:
-        memory = _plan_host_tier(memory, manifest, cfg, gpu)
+    memory = _plan_memory(cfg, args, engine, gpu, compute, kernel, switches)
     name = _name(engine, memory.mapped, gpu)
     every = sum(layer.num_experts for layer in manifest.layers)
     fill = memory.host_records >= every > 0
@@ -193,6 +179,35 @@ def resolve(
         fast,
         manifest.blocked,
     )
+
+
+def _plan_memory(
+    cfg: RuntimeConfig,
+    args: tuple,
+    engine: str,
+    gpu: bool,
+    compute: str,
+    kernel: bool,
+    switches: Iterable[nn.Module],
+) -> MemoryPlan:
+    """The memory plan of `cfg`'s backend (`args`: the planners' arguments):
+    mapped, slots, or under `auto` mapped where a slot for every expert does
+    not fit; the native engine's slots gain a host tier."""
+    if cfg.backend == "mapped":
+        _require_mapped(gpu, compute, kernel)
+        return _plan_mapped(cfg, *args)
+    memory = _plan_slots(cfg, *args)
+    if cfg.backend == "auto" and _mapped_by_default(
+        cfg, memory, engine, gpu, compute, kernel, switches
+    ):
+        log.info(
+            "a slot for every expert does not fit: the experts stay mapped, "
+            "the page cache holds them (--backend slots: slots)"
+        )
+        return _plan_mapped(cfg, *args)
+    if engine == "native":
+        memory = _plan_host_tier(memory, args[0], cfg, gpu)
+    return memory
 
 
 def _name(engine: str, mapped: bool, gpu: bool) -> str:
