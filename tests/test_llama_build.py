@@ -14,6 +14,14 @@ def test_amx_is_left_out_where_the_cpu_has_it():
     assert "-DGGML_AVX512=ON" in options and "-DGGML_AVX512_BF16=OFF" in options
 
 
+def test_ik_is_built_native_even_where_the_cpu_has_amx():
+    """ik_llama.cpp has no AMX path; its ISA options alone miss AVX-512 VL/DQ."""
+    ik = llama_cpp.configure_options("ik", {"avx2", "avx512f", "amx_tile"})
+    assert "-DGGML_NATIVE=ON" in ik and "-DGGML_NATIVE=OFF" not in ik
+    cpu = llama_cpp.configure_options("cpu", {"avx2", "avx512f", "amx_tile"})
+    assert "-DGGML_NATIVE=OFF" in cpu and "-DGGML_AMX_TILE=OFF" in cpu
+
+
 def test_ik_builds_llama_bench_among_its_examples():
     ik = llama_cpp.configure_options("ik", {"avx2"})
     assert "-DLLAMA_BUILD_EXAMPLES=ON" in ik and "-DLLAMA_BUILD_EXAMPLES=OFF" not in ik

@@ -222,11 +222,15 @@ def binary(build: Path, variant: str) -> Path:
 
 
 def configure_options(variant: str, flags: set[str]) -> list[str]:
-    """CMake's -D options for a variant on a CPU with these feature flags."""
+    """CMake's -D options for a variant on a CPU with these feature flags.
+    ik_llama.cpp has no AMX path, and its ISA options without -march=native
+    leave out AVX-512 VL and DQ, which its AVX-512 code needs: it is built
+    -DGGML_NATIVE=ON everywhere."""
     common = [f for f in COMMON_FLAGS if variant != "ik" or "EXAMPLES" not in f]
     options = []
     for o in VARIANTS[variant]:
-        options += native_options(flags) if o == "-DGGML_NATIVE=ON" else [o]
+        native = o == "-DGGML_NATIVE=ON" and variant != "ik"
+        options += native_options(flags) if native else [o]
     return [*common, *options]
 
 
