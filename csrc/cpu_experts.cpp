@@ -49,6 +49,7 @@ class Pool {
       }
       fn_ = &fn;
       n_ = n;
+      threads_ = helpers + 1;
       next_.store(0);
       wanted_ = helpers;
       busy_ = helpers;
@@ -65,9 +66,21 @@ class Pool {
   }
 
  private:
+  // Runs of consecutive tasks, each a share of those left (at least one):
+  // a thread's rows stream from memory in order (a task's neighbours are the
+  // rows after its own), and the last tasks still balance the threads.
   void take() {
-    for (int i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) {
-      (*fn_)(i);
+    while (true) {
+      int start = next_.load(std::memory_order_relaxed), run;
+      do {
+        if (start >= n_) {
+          return;
+        }
+        run = std::max(1, (n_ - start) / (2 * threads_));
+      } while (!next_.compare_exchange_weak(start, start + run));
+      for (int i = start; i < start + run; i++) {
+        (*fn_)(i);
+      }
     }
   }
   void work() {
@@ -90,7 +103,7 @@ class Pool {
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
   const std::function<void(int)>* fn_{nullptr};
-  int n_{0}, wanted_{0}, busy_{0};
+  int n_{0}, threads_{1}, wanted_{0}, busy_{0};
   std::atomic<int> next_{0};
   uint64_t generation_{0};
 };
@@ -147,13 +160,39 @@ inline VU unpack(const VU* w) {
   return q;
 }
 
+// float(q & mask) in every lane. With AVX-512 and at most 4 bits, a lookup
+// in a 16-entry table of those floats (vpermps reads an index's low 4 bits:
+// the mask comes free, one instruction instead of an and and a convert, the
+// same values); else a mask and a convert.
+template <int bits>
+inline VF to_float(VU q) {
+  constexpr uint32_t mask = (1u << bits) - 1;
+#if defined(__AVX512F__)
+  if constexpr (bits <= 4) {
+    const __m512 table = _mm512_setr_ps(
+        float(0 & mask), float(1 & mask), float(2 & mask), float(3 & mask),
+        float(4 & mask), float(5 & mask), float(6 & mask), float(7 & mask),
+        float(8 & mask), float(9 & mask), float(10 & mask), float(11 & mask),
+        float(12 & mask), float(13 & mask), float(14 & mask), float(15 & mask));
+    return VF(_mm512_permutexvar_ps(__m512i(q), table));
+  }
+#endif
+  return __builtin_convertvector(VI(q & mask), VF);
+}
+
 // Value I of a 32-value chunk in every lane, dequantized, times x, added.
 template <int bits, int I>
 inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
-  constexpr uint32_t mask = (1u << bits) - 1;
-  VF d = __builtin_convertvector(VI(unpack<bits, I>(w) & mask), VF) * scale +
-         bias;
-  return acc + x * d;
+  VF d = to_float<bits>(unpack<bits, I>(w)) * scale + bias;
+  acc = acc + x * d;
+#if defined(__AVX512F__)
+  if constexpr (bits <= 4) {
+    // The steps in program order: else the compiler hoists a chunk's
+    // lookups ahead of the sums and spills them.
+    __asm__ volatile("" : "+v"(acc));
+  }
+#endif
+  return acc;
 }
 
 
@@ -639,7 +678,6 @@ inline void load_words(const uint32_t* const row[kLanes], int n, VU* w) {
 template <int bits, ScaleFormat F>
 void dequant_chunk(const Matrix& m, int64_t r0, int64_t k0, int kc, float* dq) {
   constexpr int64_t size = scale_size<F>();
-  constexpr uint32_t mask = (1u << bits) - 1;
   for (int v = 0; v < kPanelVecs; v++) {
     const uint32_t* row[kLanes];
     const uint8_t *sc[kLanes], *bi[kLanes];
@@ -671,7 +709,7 @@ void dequant_chunk(const Matrix& m, int64_t r0, int64_t k0, int kc, float* dq) {
       float* out = dq + (k - k0) * kPanel + v * kLanes;
       [&]<int... I>(std::integer_sequence<int, I...>) {
         ((*reinterpret_cast<VF*>(out + I * kPanel) =
-              __builtin_convertvector(VI(unpack<bits, I>(w) & mask), VF) * s +
+              to_float<bits>(unpack<bits, I>(w)) * s +
               b),
          ...);
       }(std::make_integer_sequence<int, 32>{});
@@ -686,7 +724,6 @@ template <int bits, ScaleFormat F>
 void dequant_blocked(const Matrix& m, int64_t r0, int64_t k0, int kc,
                      float* dq) {
   constexpr int64_t size = scale_size<F>();
-  constexpr uint32_t mask = (1u << bits) - 1;
   constexpr int kWords = kChunk / 32 * bits; // of one chunk, per row
   const int64_t words = m.row_bytes / 4;
   for (int v = 0; v < kPanelVecs; v++) {
@@ -715,7 +752,7 @@ void dequant_blocked(const Matrix& m, int64_t r0, int64_t k0, int kc,
       float* out = dq + (k - k0) * kPanel + v * kLanes;
       [&]<int... I>(std::integer_sequence<int, I...>) {
         ((*reinterpret_cast<VF*>(out + I * kPanel) =
-              __builtin_convertvector(VI(unpack<bits, I>(wv) & mask), VF) * s +
+              to_float<bits>(unpack<bits, I>(wv)) * s +
               b),
          ...);
       }(std::make_integer_sequence<int, 32>{});
