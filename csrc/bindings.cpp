@@ -279,6 +279,9 @@ NB_MODULE(_native, m) {
         "The rows of one of the CPU kernel's vectors: 16 with AVX-512, else 8.");
   m.def("kernel_block", &moestream::kernel_block,
         "The rows of one block of the blocked layout (slots and records): 16.");
+  m.def("set_pool_spin", &moestream::set_pool_spin, "micros"_a,
+        "How long the CPU kernel's idle threads wait awake (pausing) before "
+        "they sleep; 0: they sleep at once. One pool per process.");
   m.def(
       "expert_mlp_mapped",
       [](const mlx::core::array& x, const mlx::core::array& experts,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -30,9 +31,14 @@ namespace {
 // One output row's running sum in each lane (cpu_simd.h).
 constexpr int kRows = 2 * kLanes; // of one rows_block call
 
-// Threads that wait for work; the caller takes tasks too.
+// Threads that wait for work; the caller takes tasks too. A thread with
+// nothing to do first waits awake for up to spin_us (set_pool_spin), then
+// sleeps: a decode step runs about a hundred calls a few microseconds apart,
+// and a sleeping thread (a sleeping core of a VM most) is slow to wake.
 class Pool {
  public:
+  void set_spin(int64_t micros) { spin_us_.store(micros); }
+
   void run(int n, int threads, const std::function<void(int)>& fn) {
     int helpers = std::min(threads, n) - 1;
     if (helpers <= 0) {
@@ -57,6 +63,7 @@ class Pool {
     }
     wake_.notify_all();
     take();
+    spin_until([this] { return busy_.load() == wanted_.load(); });
     std::unique_lock<std::mutex> lock(m_);
     // Helpers not yet awake (a busy machine) are not waited for.
     busy_ -= wanted_;
@@ -66,6 +73,27 @@ class Pool {
   }
 
  private:
+  // Whether ready() came true within spin_us (checked between pauses).
+  template <typename Ready>
+  bool spin_until(Ready ready) {
+    int64_t micros = spin_us_.load(std::memory_order_relaxed);
+    if (micros <= 0) {
+      return ready();
+    }
+    auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(micros);
+    while (!ready()) {
+      if (std::chrono::steady_clock::now() > end) {
+        return false;
+      }
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#else
+      std::this_thread::yield();
+#endif
+    }
+    return true;
+  }
+
   // Runs of consecutive tasks, each a share of those left (at least one):
   // a thread's rows stream from memory in order (a task's neighbours are the
   // rows after its own), and the last tasks still balance the threads.
@@ -87,8 +115,11 @@ class Pool {
     uint64_t seen = 0;
     std::unique_lock<std::mutex> lock(m_);
     while (true) {
-      wake_.wait(lock, [&] { return generation_ != seen && wanted_ > 0; });
-      seen = generation_;
+      lock.unlock();
+      spin_until([&] { return generation_.load() != seen; });
+      lock.lock();
+      wake_.wait(lock, [&] { return generation_.load() != seen && wanted_ > 0; });
+      seen = generation_.load();
       wanted_--;
       lock.unlock();
       take();
@@ -103,9 +134,11 @@ class Pool {
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
   const std::function<void(int)>* fn_{nullptr};
-  int n_{0}, threads_{1}, wanted_{0}, busy_{0};
+  int n_{0}, threads_{1};
+  std::atomic<int> wanted_{0}, busy_{0};
   std::atomic<int> next_{0};
-  uint64_t generation_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> spin_us_{0};
 };
 
 Pool& pool() {
@@ -936,6 +969,10 @@ void unblock_rows(const uint8_t* src, int64_t rows, int64_t cols,
 
 void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
   pool().run(n, threads, fn);
+}
+
+void set_pool_spin(int64_t micros) {
+  pool().set_spin(micros);
 }
 
 int threads_or_all(int threads) {

@@ -50,6 +50,9 @@ class ExpertCache; // expert_cache.h
 
 // Runs fn(0..n-1) over `threads` threads (the caller's among them).
 void parallel_for(int n, int threads, const std::function<void(int)>& fn);
+// How long the kernel's idle threads wait awake before they sleep (the
+// pool is one per process).
+void set_pool_spin(int64_t micros);
 
 // `threads`, or every core where it is 0.
 int threads_or_all(int threads);

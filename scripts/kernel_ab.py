@@ -28,7 +28,8 @@ backend (no slots; `--pct` unused), `no-verify` skips the records'
 checksums (a mapped record's is checked the first time a call routes it),
 `model=DIR` another conversion of the
 same weights (e.g. `convert-moe --layout blocked`), so that two layouts of
-the records run side by side:
+the records run side by side, and `KEY=VALUE` sets a numeric Tuning field
+(e.g. `kernel_spin_us=0`):
 
     --variants X.so:mapped,X.so:mapped+model=build/bench-small-blocked
 """
@@ -78,6 +79,13 @@ def child(
 
     experts = load_manifest(Path(model_dir)).layers[0].num_experts
     options = {"cpu_kernel": True, "verify": "no-verify" not in flags}
+    from dataclasses import fields
+
+    from moestream.runtime import Tuning
+
+    for f in fields(Tuning):  # a Tuning field's number: KEY=VALUE
+        if f.name in flags:
+            options[f.name] = type(getattr(Tuning, f.name))(flags[f.name])
     if "mapped" in flags:
         model, _ = load(Path(model_dir), backend="mapped", **options)
     else:

@@ -47,6 +47,7 @@ RUNTIME_CHOICES: dict[str, list] = {
     "device_resolve": [False, True],  # a GPU's: no effect on a CPU
     "cpu_kernel": [None, False],  # True: the python engine too
     "kernel_threads": [0, 1],
+    "kernel_spin_us": [0, Tuning.kernel_spin_us],
     "backend": ["auto", "slots", "mapped"] if native.available() else ["auto"],
     # fast: its own oracle, a resident model with the same arithmetic (test_fast.py)
     "arithmetic": ["exact"],

@@ -33,6 +33,7 @@ BOUNDS = (
     ("lrfu_decay", 0.0, 1.0),
     ("readers", 1, 256),
     ("kernel_threads", 0, 256),
+    ("kernel_spin_us", 0, 100_000),
     ("fast_rows", 1, float("inf")),
 )
 
@@ -55,6 +56,9 @@ class Tuning:
     prefetch_extra: experts predicted beyond the router's top-k.
     readers: reader threads of the host tier and of piecewise record reads.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
+    kernel_spin_us: how long the CPU kernel's idle threads wait awake before
+        they sleep (a decode step's calls come microseconds apart, and a
+        sleeping core is slow to wake); 0: they sleep at once.
     record_trace: keep one event per MoE layer call in the stats.
     fast_rows: with the fast arithmetic, the fewest (token, expert) pairs per
         expert of the layer that a call computes fast (fewer: exact).
@@ -70,6 +74,8 @@ class Tuning:
     prefetch_extra: int = 2
     readers: int = 8
     kernel_threads: int = 0
+    # Measured in docs/profile-cpu.md (the pool).
+    kernel_spin_us: int = 50
     record_trace: bool = False
     fast_rows: int = FAST_ROWS_PER_EXPERT
 

@@ -476,6 +476,7 @@ def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
     the plan runs the CPU kernel; the number turned."""
     if not plan.cpu_kernel:
         return 0
+    _native.set_pool_spin(plan.tuning.kernel_spin_us)
     n = 0
     norms = norm_matches_mlx()
     ropes = rope_matches_mlx()
