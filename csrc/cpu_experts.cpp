@@ -644,7 +644,11 @@ constexpr int kPanelVecs = 2; // 8 sums and 2 weights of 16 registers
 constexpr int kPanel = kPanelVecs * kLanes; // rows of one panel
 constexpr int kChunk = 64;                  // k values dequantized at once
 constexpr int kPrefetchChunks = 4;          // how far ahead words are asked for
-constexpr int kTile = 4;                    // tokens whose sums stay in registers
+#if defined(__AVX512F__)
+constexpr int kTile = 6; // tokens whose sums stay in registers: 24 sums
+#else
+constexpr int kTile = 4;
+#endif
 constexpr int64_t kTokenBlock = 256;        // tokens of one task, at most
 // Tokens on one matrix from which dequantizing once beats the fused rows.
 constexpr int64_t kMinTokens = 3;
@@ -842,6 +846,8 @@ void panel_block(const Matrix& m, int64_t r0, int n, const float* const* xs,
       panel_tile<kTile>(dq, kc, xs + t, k0, acc + t * kPanel);
     }
     switch (n - t) {
+      case 5: panel_tile<5>(dq, kc, xs + t, k0, acc + t * kPanel); break;
+      case 4: panel_tile<4>(dq, kc, xs + t, k0, acc + t * kPanel); break;
       case 3: panel_tile<3>(dq, kc, xs + t, k0, acc + t * kPanel); break;
       case 2: panel_tile<2>(dq, kc, xs + t, k0, acc + t * kPanel); break;
       case 1: panel_tile<1>(dq, kc, xs + t, k0, acc + t * kPanel); break;
