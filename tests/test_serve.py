@@ -402,6 +402,7 @@ TUNING_SETS = {
     "device_resolve=off": ("device_resolve", False),
     "cpu_kernel=off": ("cpu_kernel", False),
     "kernel_threads=1": ("kernel_threads", 1),
+    "kernel_spin_us=0": ("kernel_spin_us", 0),
     "fast_rows=8": ("fast_rows", 8),
 }
 
