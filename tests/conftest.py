@@ -1,12 +1,11 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
 from builders.synthetic import tiny_qwen3_moe
-from helpers import BITS, PROMPT, logits_stepwise
+from helpers import BITS, PROMPT, copy_of, logits_stepwise
 
 from moestream.converter import convert
 from moestream.formats import Recipe
@@ -63,9 +62,7 @@ def resident_logits(reference):
 @pytest.fixture
 def copy(converted: Path, tmp_path: Path) -> Path:
     """A private copy of the converted model, free to damage."""
-    out = tmp_path / "model"
-    shutil.copytree(converted, out)
-    return out
+    return copy_of(converted, tmp_path)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -217,3 +218,10 @@ def fail_reads(model: nn.Module, layer: int, expert: int, count: int) -> None:
         rt.stats.native_layers[layer].inject_read_failures(expert, n)
     else:
         rt.store.inject_read_failures(layer, expert, n)
+
+
+def copy_of(model: Path, tmp_path: Path) -> Path:
+    """A private copy of `model` in tmp_path, free to damage."""
+    out = tmp_path / "model"
+    shutil.copytree(model, out)
+    return out

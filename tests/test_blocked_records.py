@@ -7,7 +7,6 @@ csrc/'s); on a GPU it refuses them in one line."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,7 +14,15 @@ import numpy as np
 import pytest
 from builders.synthetic import tiny_model, tiny_qwen3_moe
 from click.testing import CliRunner
-from helpers import BITS, BITS4, PROMPT, edit_manifest, logits_stepwise, same_files
+from helpers import (
+    BITS,
+    BITS4,
+    PROMPT,
+    copy_of,
+    edit_manifest,
+    logits_stepwise,
+    same_files,
+)
 
 import moestream
 from moestream.cli import main as cli
@@ -51,9 +58,7 @@ def blocked_out(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def blocked_copy(blocked_out: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "model"
-    shutil.copytree(blocked_out, out)
-    return out
+    return copy_of(blocked_out, tmp_path)
 
 
 # ------------------------------------------------------------------ layout
