@@ -193,15 +193,24 @@ inline VU unpack(const VU* w) {
   return q;
 }
 
-// float(q & mask) in every lane. With AVX-512 and at most 4 bits, a lookup
-// in a 16-entry table of those floats (vpermps reads an index's low 4 bits:
-// the mask comes free, one instruction instead of an and and a convert, the
-// same values); else a mask and a convert.
+// Whether to_float<bits> is a table lookup: with AVX-512 and at most 4 bits.
+template <int bits>
+constexpr bool kLookup =
+#if defined(__AVX512F__)
+    bits <= 4;
+#else
+    false;
+#endif
+
+// float(q & mask) in every lane. Where kLookup, a lookup in a 16-entry table
+// of those floats (vpermps reads an index's low 4 bits: the mask comes free,
+// one instruction instead of an and and a convert, the same values); else a
+// mask and a convert.
 template <int bits>
 inline VF to_float(VU q) {
   constexpr uint32_t mask = (1u << bits) - 1;
 #if defined(__AVX512F__)
-  if constexpr (bits <= 4) {
+  if constexpr (kLookup<bits>) {
     const __m512 table = _mm512_setr_ps(
         float(0 & mask), float(1 & mask), float(2 & mask), float(3 & mask),
         float(4 & mask), float(5 & mask), float(6 & mask), float(7 & mask),
@@ -218,13 +227,11 @@ template <int bits, int I>
 inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
   VF d = to_float<bits>(unpack<bits, I>(w)) * scale + bias;
   acc = acc + x * d;
-#if defined(__AVX512F__)
-  if constexpr (bits <= 4) {
+  if constexpr (kLookup<bits>) {
     // The steps in program order: else the compiler hoists a chunk's
     // lookups ahead of the sums and spills them.
     __asm__ volatile("" : "+v"(acc));
   }
-#endif
   return acc;
 }
 

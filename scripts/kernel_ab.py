@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 
@@ -70,7 +71,7 @@ def child(
     from mlx_lm.sample_utils import make_sampler
 
     from moestream.formats import load_manifest
-    from moestream.runtime import load, loader, native
+    from moestream.runtime import Tuning, load, loader, native
 
     if "mlx-attention" in flag:  # builds before the kernel's attention
         loader.use_exact_attention = lambda model, plan: 0
@@ -79,10 +80,6 @@ def child(
 
     experts = load_manifest(Path(model_dir)).layers[0].num_experts
     options = {"cpu_kernel": True, "verify": "no-verify" not in flags}
-    from dataclasses import fields
-
-    from moestream.runtime import Tuning
-
     for f in fields(Tuning):  # a Tuning field's number: KEY=VALUE
         if f.name in flags:
             options[f.name] = type(getattr(Tuning, f.name))(flags[f.name])

@@ -212,6 +212,7 @@ def _start(
     if execution.prefetch:
         extra = execution.tuning.prefetch_extra
         chain_prefetch(model, streaming, model_config, extra)
+    native.start_kernel_pool(execution)
     native.use_dense_kernel(model, execution)  # q/k/v/o, router, lm_head, norms
     if use_exact_attention(model, execution):  # q @ k.T, softmax, scores @ v
         _bound_allocators(plan, scores_written=False)

@@ -470,13 +470,19 @@ def rope_matches_mlx() -> bool:
     return agrees_with_mlx("kernel's rope", pairs)
 
 
+def start_kernel_pool(plan: ExecutionPlan) -> None:
+    """Set the CPU kernel's thread pool (one per process, shared by every
+    kernel) as the plan tunes it, where the plan runs the kernel."""
+    if plan.cpu_kernel:
+        _native.set_pool_spin(plan.tuning.kernel_spin_us)
+
+
 def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
     """Turn the model's affine nn.QuantizedLinear layers into KernelLinear,
     its nn.RMSNorm into KernelRMSNorm and its nn.RoPE into KernelRoPE, where
     the plan runs the CPU kernel; the number turned."""
     if not plan.cpu_kernel:
         return 0
-    _native.set_pool_spin(plan.tuning.kernel_spin_us)
     n = 0
     norms = norm_matches_mlx()
     ropes = rope_matches_mlx()
