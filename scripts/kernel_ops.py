@@ -3,7 +3,7 @@ shapes, on the CPU kernel, for several token counts: medians in ms, and
 builds of the extension compared side by side.
 
     .venv/bin/python scripts/kernel_ops.py [--tokens 1,128,1024] [--rounds 3]
-        [--variants A.so,B.so] [--mlx]
+        [--variants A.so,B.so] [--mlx] [--from-memory] [--blocked]
 
 64 experts of 512 x 1024 (gate, up) and 1024 x 512 (down), 4-bit, group 64,
 top-8 of random routing; and a 2048 x 1024 QuantizedLinear. Each round runs
@@ -39,7 +39,12 @@ def median_ms(f, n: int) -> float:
 
 
 def child(
-    so: str | None, tokens: list[int], mlx: bool, threads: int, memory: bool
+    so: str | None,
+    tokens: list[int],
+    mlx: bool,
+    threads: int,
+    memory: bool,
+    blocked: bool,
 ) -> dict:
     if so:  # before moestream.runtime imports the installed one
         spec = importlib.util.spec_from_file_location("moestream._native", so)
@@ -63,7 +68,9 @@ def child(
     linear = nn.QuantizedLinear(d, 2048, bias=False, group_size=64, bits=4)
     projections = (glu.gate_proj, glu.up_proj, glu.down_proj)
     weights = [a for p in projections for a in (p.weight, p.scales, p.biases)]
-    mx.eval(glu.parameters(), linear.parameters())
+    if blocked:  # the experts as blocked slots hold them
+        weights = native.blocked_arrays(weights)
+    mx.eval(weights, glu.parameters(), linear.parameters())
     ext, out = native._native, {}
 
     def calls(x: mx.array, inds: mx.array) -> dict:
@@ -76,11 +83,16 @@ def child(
         count = iter(range(1 << 30))
         ops = {
             "experts": lambda: ext.expert_mlp(
-                x, turns[next(count) % len(turns)], weights, [(4, 64)] * 3, threads
+                x,
+                turns[next(count) % len(turns)],
+                weights,
+                [(4, 64)] * 3,
+                threads,
+                blocked,
             ),
             "matmul": lambda: ext.quant_matmul(x, w, s, b, 4, 64, threads),
         }
-        if mlx:
+        if mlx and not blocked:
             ops["MLX experts"] = lambda: glu(x, inds)
             ops["MLX matmul"] = lambda: linear(x)
         return ops
@@ -108,11 +120,19 @@ def main() -> None:
         help="each expert call routes to other experts than the last (the 64 "
         "experts' 56 MB pass through the cache): decode's case",
     )
+    ap.add_argument(
+        "--blocked",
+        action="store_true",
+        help="the experts' slots blocked (convert-moe --layout blocked's "
+        "layout, the CPU kernel's): the rows and panels that read them",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.child is not None:
-        out = child(args.child, tokens, args.mlx, args.threads, args.from_memory)
+        out = child(
+            args.child, tokens, args.mlx, args.threads, args.from_memory, args.blocked
+        )
         print(json.dumps(out))
         return
     builds = [b for b in args.variants.split(",") if b] or [""]
@@ -123,6 +143,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", b, "--tokens", args.tokens]
             cmd += ["--threads", str(args.threads)] + (["--mlx"] if args.mlx else [])
             cmd += ["--from-memory"] if args.from_memory else []
+            cmd += ["--blocked"] if args.blocked else []
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             runs[b].append(json.loads(proc.stdout.splitlines()[-1]))
     print(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())

@@ -267,3 +267,22 @@ def test_x_full_divides_by_the_same_variants_full_row():
     assert x_full(rows, rows[3]) == 60.0 / 120.0  # the median of the 100 % row
     assert x_full(rows, rows[4]) == 40.0 / 80.0
     assert x_full(rows, rows[5]) is None  # no cold 100 % row in this run
+
+
+def test_a_worker_killed_by_a_signal_is_named_with_its_python_frame():
+    """A worker that dies of a signal (a crash, the OOM killer) says so in
+    one line, with the frame faulthandler wrote; an error exit gives its last
+    line."""
+    from moestream.bench.harness import worker_failure
+
+    stack = (
+        "Fatal Python error: Segmentation fault\n\n"
+        "Current thread 0x01 (most recent call first):\n"
+        '  File "/w/gen.py", line 3 in step\n  File "/w/run.py", line 9 in main\n'
+    )
+    line = worker_failure(-11, stack)
+    assert "SIGSEGV" in line and 'File "/w/gen.py", line 3 in step' in line
+    assert "run the bench again" in line and "\n" not in line
+    assert "SIGKILL" in worker_failure(-9, "")
+    assert worker_failure(1, "Traceback\nValueError: bad\n").endswith("ValueError: bad")
+    assert worker_failure(1, "").endswith("(no output)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -134,15 +135,33 @@ def plan_rows(cfg: BenchConfig) -> list[Row]:
 
 
 def run_job(job: Job) -> dict:
+    # faulthandler: a worker killed by a signal writes its Python stack first
+    argv = [sys.executable, "-X", "faulthandler", "-m", "moestream.bench.worker"]
     proc = subprocess.run(
-        [sys.executable, "-m", "moestream.bench.worker", json.dumps(asdict(job))],
-        capture_output=True,
-        text=True,
+        [*argv, json.dumps(asdict(job))], capture_output=True, text=True
     )
     if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"benchmark run failed: {tail[0]}")
+        raise RuntimeError(worker_failure(proc.returncode, proc.stderr))
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worker_failure(code: int, stderr: str) -> str:
+    """One line for a worker that failed: its last error line, or, where a
+    signal killed it, the signal and the innermost Python frame faulthandler
+    wrote."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    if code >= 0:
+        return f"benchmark run failed: {(lines or ['(no output)'])[-1]}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    frames = [line for line in lines if line.startswith("File ")]
+    where = f" in {frames[0]}" if frames else ""
+    return (
+        f"benchmark run killed by {name}{where}: the worker crashed, no result; "
+        "run the bench again"
+    )
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
