@@ -176,6 +176,12 @@ NB_MODULE(_native, m) {
           "readers", [](ExpertCache& c) { return c.reader().readers; },
           [](ExpertCache& c, int n) { c.reader().readers = n; },
           "Reader threads one record's read is split over (in pieces).")
+      .def_prop_rw(
+          "read_cached_whole",
+          [](ExpertCache& c) { return c.reader().read_cached_whole; },
+          [](ExpertCache& c, bool on) { c.reader().read_cached_whole = on; },
+          "A record the page cache holds is read whole on the calling thread "
+          "(else in pieces, as one from the disk; tests turn it off).")
       .def(
           "inject_read_failures",
           [](ExpertCache& c, int expert, int count) {

@@ -110,13 +110,15 @@ void ExpertCache::resolve_call(
     resolve_mapped(experts, n, tokens, out, rec);
   } else if (tier_) {
     resolve_through_tier(experts, n, tokens, out, use, rec);
-  } else {
+  } else if (memory.on_gpu) { // one record at a time through the staging copy
     resolve(experts, n, tokens, out, [&](int e, int s) {
       reader_.staged(e, [&](const uint8_t* r) { use(r, -1, s); });
       if (rec) {
         rec->bytes_read += record_nbytes;
       }
     }, rec);
+  } else {
+    resolve_in_parallel(experts, n, tokens, out, use, rec);
   }
   if (rec) {
     log.add(std::move(record));
@@ -126,49 +128,6 @@ void ExpertCache::resolve_call(
 std::vector<CallRecord> ExpertCache::take_records() {
   gpu_collect(*this);
   return log.take();
-}
-
-void ExpertCache::resolve_through_tier(
-    const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
-    const UseRecord& use, CallRecord* rec) {
-  tier_->begin_call();
-  std::vector<std::pair<int, int>> misses;
-  resolve(experts, n, tokens, out,
-          [&](int e, int s) { misses.push_back({e, s}); }, rec);
-  std::vector<int64_t> host(misses.size());
-  std::string failure;
-  for (size_t i = 0; i < misses.size(); i++) {
-    try { // queued first, so the readers work on all of them at once
-      bool read = false;
-      host[i] = tier_->request(shared_from_this(), tier_base_ + misses[i].first,
-                               misses[i].first, read);
-      if (rec && read) {
-        rec->bytes_read += record_nbytes;
-      }
-    } catch (const std::exception& e) {
-      host[i] = -1;
-      failure = failure.empty() ? e.what() : failure;
-    }
-  }
-  for (size_t i = 0; i < misses.size(); i++) {
-    if (host[i] < 0) {
-      continue;
-    }
-    try {
-      auto* record = tier_->wait(host[i], tier_base_ + misses[i].first);
-      if (failure.empty()) {
-        use(record, host[i], misses[i].second);
-      }
-    } catch (const std::exception& e) {
-      failure = failure.empty() ? e.what() : failure;
-    }
-  }
-  if (!failure.empty()) {
-    for (auto& [e, s] : misses) {
-      table_.drop(e);
-    }
-    throw std::runtime_error(failure);
-  }
 }
 
 void ExpertCache::resolve(

@@ -146,6 +146,12 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void resolve_through_tier(const uint32_t* experts, int64_t n, int tokens,
                             uint32_t* out, const UseRecord& use,
                             CallRecord* rec);
+  // `resolve` with the misses read and written into their CPU slots after
+  // it, several at once (RecordReader::each_staged); if a read fails, every
+  // miss leaves its slot and it rethrows.
+  void resolve_in_parallel(const uint32_t* experts, int64_t n, int tokens,
+                           uint32_t* out, const UseRecord& use,
+                           CallRecord* rec);
   // `resolve` for a mapped blob: `out` is `experts`.
   void resolve_mapped(const uint32_t* experts, int64_t n, int tokens,
                       uint32_t* out, CallRecord* rec);

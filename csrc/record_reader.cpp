@@ -73,9 +73,18 @@ void RecordReader::attempt(int expert, uint8_t* dst) {
     injected_failure(blob, expert);
   }
   bool checked = check.needed(expert);
-  // One record in pieces on the reader threads: a miss waits for the slowest
-  // piece, not the whole record (and the disk sees several reads in flight).
   int64_t piece = piece_bytes(), n = blob.record_nbytes;
+  // A record the page cache holds is one copy, here: waking reader threads
+  // would cost more than it saves.
+  if (!mapped_ && read_cached_whole && buffered_.read_cached(expert, dst)) {
+    if (checked) {
+      uint32_t crc = crc32(dst, n);
+      check.pieces(expert, &crc, n);
+    }
+    return;
+  }
+  // Else in pieces on the reader threads: a miss waits for the slowest piece,
+  // not the whole record (and the disk sees several reads in flight).
   int pieces = int((n + piece - 1) / piece);
   auto length = [&](int i) { return std::min(piece, n - i * piece); };
   std::vector<uint32_t> crcs(pieces, 0);
@@ -110,6 +119,32 @@ void RecordReader::staged(int expert,
   }
   read(expert, record.get());
   use(record.get());
+}
+
+void RecordReader::each_staged(
+    const std::vector<int>& experts,
+    const std::function<void(size_t, const uint8_t*)>& use) {
+  if (experts.size() == 1) {
+    staged(experts[0], [&](const uint8_t* r) { use(0, r); });
+    return;
+  }
+  parallel_reads(int(experts.size()), readers, [&](int i) {
+    // Page-aligned, one a thread (reader threads live as long as the process).
+    thread_local std::unique_ptr<uint8_t, decltype(&std::free)> record(
+        nullptr, &std::free);
+    thread_local int64_t size = 0;
+    if (size < blob.record_nbytes) {
+      int64_t bytes = (blob.record_nbytes + kPageAlign - 1) / kPageAlign *
+          kPageAlign;
+      record.reset(static_cast<uint8_t*>(std::aligned_alloc(kPageAlign, bytes)));
+      size = record ? bytes : 0;
+      if (!record) {
+        throw std::bad_alloc();
+      }
+    }
+    read(experts[i], record.get());
+    use(size_t(i), record.get());
+  });
 }
 
 } // namespace moestream

@@ -28,6 +28,12 @@ class RecordReader {
   // run one at a time: the stream's, or the host's after a synchronize),
   // then hand it to `use`.
   void staged(int expert, const std::function<void(const uint8_t*)>& use);
+  // staged() for several records at once, on the reader threads and this
+  // one: each read into its thread's own staging record, then use(i, record)
+  // there (so `use` must be safe on distinct i at once). Rethrows the error of
+  // the lowest i that failed, after every other has run.
+  void each_staged(const std::vector<int>& experts,
+                   const std::function<void(size_t, const uint8_t*)>& use);
   static constexpr int64_t kMinPiece = 256 << 10, kPieceAlign = 64 << 10;
   // The pieces one record is read in: over `readers`, at least kMinPiece.
   int64_t piece_bytes() const;
@@ -49,6 +55,9 @@ class RecordReader {
   const BlobLayout blob;
   RecordCheck check;
   int readers{8}; // RuntimeConfig.readers
+  // A record the page cache holds all of is read whole on the calling thread
+  // (PreadSource::read_cached); off, every read goes in pieces (tests).
+  bool read_cached_whole{true};
   std::atomic<int64_t> bytes_read{0}; // by `read`, each record once
 
  private:

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -57,6 +58,29 @@ void PreadSource::read_range(int expert, uint8_t* dst, int64_t begin,
   if (got < n) {
     read_failed(blob_, expert, got >= 0);
   }
+}
+
+bool PreadSource::read_cached(int expert, uint8_t* dst) {
+#if defined(RWF_NOWAIT)
+  const int64_t n = blob_.record_nbytes, offset = blob_.offset(expert);
+  int64_t done = 0;
+  while (done < n) {
+    struct iovec v{dst + done, size_t(n - done)};
+    ssize_t got = ::preadv2(fd_, &v, 1, offset + done, RWF_NOWAIT);
+    if (got < 0 && errno == EINTR) {
+      continue;
+    }
+    if (got <= 0) { // not cached (EAGAIN), unsupported, an error or the end
+      return false;
+    }
+    done += got;
+  }
+  return true;
+#else
+  static_cast<void>(expert);
+  static_cast<void>(dst);
+  return false;
+#endif
 }
 
 void PreadSource::reopen() {

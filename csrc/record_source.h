@@ -50,6 +50,10 @@ class PreadSource : public RecordSource {
   void read_range(int expert, uint8_t* dst, int64_t begin,
                   int64_t end) override;
   bool hint(int expert) override; // POSIX_FADV_WILLNEED
+  // The whole record into dst on this thread if the page cache holds all of
+  // it (a read that never waits on the disk: RWF_NOWAIT); false, with dst
+  // partly written, if it does not.
+  bool read_cached(int expert, uint8_t* dst);
   // Open the path again, in place of the open file, where it holds every
   // record (a blob replaced by a good copy is read from then on).
   void reopen();

@@ -1,6 +1,9 @@
 """One record read in pieces over the reader threads: the CRCs of the pieces
 combine into the record's (zlib's crc32_combine), the slots hold the same bytes
-whatever the reader count, and a fault in any piece reads as it did whole."""
+whatever the reader count, and a fault in any piece reads as it did whole. A
+record the page cache holds is read whole on the calling thread instead (as
+the records of these tests are): the piece tests turn that off, and the two
+ways give the same slots."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from helpers import PROMPT, corrupt_layer, logits_stepwise, tiny_converted
 import moestream
 from moestream.formats import Recipe, load_manifest
 from moestream.reference import resident_model
-from moestream.runtime import ExpertReadError, native
+from moestream.runtime import ExpertReadError, native, runtime_of
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="moestream's native engine is not built"
@@ -34,6 +37,12 @@ GEOMETRY = {
     "num_experts": 6,
     "num_experts_per_tok": 2,
 }
+
+
+def in_pieces(model) -> None:
+    """Every read of `model` in pieces, as if the page cache held nothing."""
+    for layer in runtime_of(model).stats.native_layers.values():
+        layer.read_cached_whole = False
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +67,17 @@ def test_records_span_several_pieces(big):
     assert record > 3 * (256 << 10)
 
 
-@pytest.mark.parametrize("readers", [1, 3, 8])
-def test_pieces_give_the_resident_models_logits(big, readers: int):
+@pytest.mark.parametrize("readers", [1, 3, 8, "whole"])
+def test_pieces_give_the_resident_models_logits(big, readers: int | str):
     hf, out = big
-    model, _ = moestream.load(out, cache_experts=2, engine="native", readers=readers)
+    model, _ = moestream.load(
+        out,
+        cache_experts=2,
+        engine="native",
+        readers=8 if readers == "whole" else readers,
+    )
+    if readers != "whole":
+        in_pieces(model)
     reference = resident_model(hf, Recipe.parse(BITS))
     ours = logits_stepwise(model, PROMPT, steps=6)
     theirs = logits_stepwise(reference, PROMPT, steps=6)
@@ -83,6 +99,7 @@ def test_a_bad_piece_fails_the_checksum(big, tmp_path: Path, where: str):
     at = 7 if where == "first" else layer.record_nbytes - 3
     corrupt_layer(out, layer, at=at)
     model, _ = moestream.load(out, cache_experts=2, engine="native", readers=8)
+    in_pieces(model)
     with pytest.raises(ExpertReadError, match="fails its checksum"):
         logits_stepwise(model, PROMPT, steps=2)
 
@@ -93,7 +110,22 @@ def test_a_record_cut_in_a_later_piece(big, tmp_path: Path):
     shutil.copytree(src, out)
     layer = load_manifest(out).layers[1]
     model, _ = moestream.load(out, cache_experts=2, engine="native", readers=8)
+    in_pieces(model)
     # Past the first piece of expert 0: every record but part of the first is gone.
     os.truncate(out / layer.file, layer.data_offset + (600 << 10))
     with pytest.raises(ExpertReadError, match="lies past the end of the file"):
+        logits_stepwise(model, PROMPT, steps=2)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_bad_record_fails_its_checksum_read_either_way(big, tmp_path, whole):
+    _, src = big
+    out = tmp_path / "model"
+    shutil.copytree(src, out)
+    layer = load_manifest(out).layers[0]
+    corrupt_layer(out, layer, at=layer.record_nbytes // 2)
+    model, _ = moestream.load(out, cache_experts=2, engine="native", readers=8)
+    if not whole:
+        in_pieces(model)
+    with pytest.raises(ExpertReadError, match="fails its checksum"):
         logits_stepwise(model, PROMPT, steps=2)
