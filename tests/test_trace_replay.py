@@ -98,6 +98,33 @@ def test_forced_routes_are_what_the_engine_routes_and_hits_match_slot_pool(
             assert hits == replay.tolist(), (policy, layer)
 
 
+def test_a_rewound_trace_routes_from_its_first_token_again(synthetic, trace_file):
+    """What the bench's warm runs do after their warm-up: the timed run routes
+    as the trace's first tokens, as a run without the warm-up would."""
+    from moestream.bench.routes import rewind_routes
+
+    trace = load_trace(trace_file)
+
+    def routing(warm_up: int) -> dict:
+        model, _ = moestream.load(
+            synthetic, cache_experts=3, record_trace=True, prefetch=False
+        )
+        force_routes(model, trace)
+        decode_one_token_at_a_time(model, warm_up)
+        rewind_routes(model)
+        stats = moestream.runtime_of(model).stats
+        stats.reset()
+        decode_one_token_at_a_time(model, 5)
+        return {k: np.sort(v, -1) for k, v in stats.routing().items()}
+
+    fresh, warmed = routing(0), routing(7)
+    assert fresh.keys() == warmed.keys()
+    for i, layer in enumerate(sorted(fresh)):
+        assert np.array_equal(fresh[layer], warmed[layer])
+        want = np.sort(trace.ids[i % trace.layers][:5], -1)
+        assert np.array_equal(fresh[layer], want)
+
+
 def test_forcing_refuses_a_model_of_another_geometry(synthetic, tmp_path):
     path = tmp_path / "top3.npz"
     write_trace(path, random_trace(1, 4, 3, 8))

@@ -200,6 +200,13 @@ class ForcedRouter(nn.Module):
         return logits * 0 + forced.reshape(logits.shape).astype(logits.dtype)
 
 
+def rewind_routes(model: nn.Module) -> None:
+    """Every forced router of `model` back to its trace's first token."""
+    for _, m in model.named_modules():
+        if isinstance(m, ForcedRouter):
+            m.position = 0
+
+
 def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
     """Every routed MoE block (one with a `gate` and a `switch_mlp`), in layer order."""
     found = {

@@ -33,7 +33,7 @@ from ..runtime.config import RuntimeConfig
 from ..runtime.loader import budget_for, load, resolve_dtype, runtime_of
 from ..units import peak_rss
 from .replay import replay_all
-from .routes import force_routes, load_trace
+from .routes import force_routes, load_trace, rewind_routes
 from .sysio import read_bytes
 
 # A fixed prompt (in-domain for code models), packaged with moestream: the
@@ -59,9 +59,12 @@ class Job:
     trace: str | None = None
 
 
-# On a GPU the first use of a kernel shape compiles it (20-47 s): a run decodes
-# this many tokens of another prompt before it is timed.
-GPU_WARMUP_TOKENS = 4
+# A warm run first runs the timed prompt's length and decodes this many
+# tokens, untimed, as llama-bench's warm-up does (a prompt of the same length,
+# then a token): the first call of a process pays for its buffers, page-table
+# entries and first-use checks, which no later call does. On a GPU (cold runs
+# too) it also compiles every kernel shape of the run (20-47 s).
+WARMUP_TOKENS = 4
 
 
 def prompt_ids(tokenizer: object, n: int) -> list[int]:
@@ -77,10 +80,11 @@ def run(job: Job) -> dict:
     tokenizer = load_tokenizer(out, eos_token_ids=load_config(out).get("eos_token_id"))
     model, runtime = _model(job, tokenizer)
     prompt = mx.array(prompt_ids(tokenizer, job.prompt_tokens))
-    if on_gpu():  # compile every kernel shape of the run first
+    if on_gpu() or not job.cold:
         warm = mx.array(prompt_ids(tokenizer, max(16, job.prompt_tokens)))
-        for _ in generate_step(warm, model, max_tokens=GPU_WARMUP_TOKENS):
+        for _ in generate_step(warm, model, max_tokens=WARMUP_TOKENS):
             pass
+        rewind_routes(model)  # a forced trace starts over for the timed run
         _restart(job, runtime)
     mx.random.seed(job.seed)
     steps = generate_step(
