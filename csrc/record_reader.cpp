@@ -100,25 +100,44 @@ void RecordReader::attempt(int expert, uint8_t* dst) {
   }
 }
 
+namespace {
+
+// The host staging records every layer shares (reads into them run one call
+// at a time: the stream's, or the host's after a synchronize), page-aligned,
+// grown to the largest record read.
+struct StagingRecords {
+  std::mutex mutex;
+  std::unique_ptr<uint8_t, decltype(&std::free)> record[kStagingRecords] = {
+      {nullptr, &std::free}, {nullptr, &std::free}};
+  int64_t size[kStagingRecords] = {};
+
+  uint8_t* at(int lane, int64_t nbytes) {
+    if (size[lane] < nbytes) {
+      int64_t bytes = (nbytes + kPageAlign - 1) / kPageAlign * kPageAlign;
+      record[lane].reset(static_cast<uint8_t*>(std::aligned_alloc(kPageAlign, bytes)));
+      size[lane] = record[lane] ? bytes : 0;
+      if (!record[lane]) {
+        throw std::bad_alloc();
+      }
+    }
+    return record[lane].get();
+  }
+};
+
+StagingRecords& staging() {
+  static StagingRecords* s = new StagingRecords(); // reader threads outlive exit
+  return *s;
+}
+
+} // namespace
+
 void RecordReader::staged(int expert,
                           const std::function<void(const uint8_t*)>& use) {
-  // Page-aligned.
-  static std::mutex mutex;
-  static std::unique_ptr<uint8_t, decltype(&std::free)> record(nullptr,
-                                                               &std::free);
-  static int64_t size = 0;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (size < blob.record_nbytes) {
-    int64_t bytes = (blob.record_nbytes + kPageAlign - 1) / kPageAlign *
-        kPageAlign;
-    record.reset(static_cast<uint8_t*>(std::aligned_alloc(kPageAlign, bytes)));
-    size = record ? bytes : 0;
-    if (!record) {
-      throw std::bad_alloc();
-    }
-  }
-  read(expert, record.get());
-  use(record.get());
+  auto& s = staging();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  uint8_t* record = s.at(0, blob.record_nbytes);
+  read(expert, record);
+  use(record);
 }
 
 void RecordReader::each_staged(
@@ -128,22 +147,18 @@ void RecordReader::each_staged(
     staged(experts[0], [&](const uint8_t* r) { use(0, r); });
     return;
   }
-  parallel_reads(int(experts.size()), readers, [&](int i) {
-    // Page-aligned, one a thread (reader threads live as long as the process).
-    thread_local std::unique_ptr<uint8_t, decltype(&std::free)> record(
-        nullptr, &std::free);
-    thread_local int64_t size = 0;
-    if (size < blob.record_nbytes) {
-      int64_t bytes = (blob.record_nbytes + kPageAlign - 1) / kPageAlign *
-          kPageAlign;
-      record.reset(static_cast<uint8_t*>(std::aligned_alloc(kPageAlign, bytes)));
-      size = record ? bytes : 0;
-      if (!record) {
-        throw std::bad_alloc();
-      }
+  auto& s = staging();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const int lanes = int(std::min<size_t>(kStagingRecords, experts.size()));
+  for (int j = 0; j < lanes; j++) {
+    s.at(j, blob.record_nbytes);
+  }
+  // Lane j reads records j, j + lanes, ... through its staging record.
+  parallel_reads(lanes, readers, [&](int j) {
+    for (size_t i = j; i < experts.size(); i += lanes) {
+      read(experts[i], s.record[j].get());
+      use(i, s.record[j].get());
     }
-    read(experts[i], record.get());
-    use(size_t(i), record.get());
   });
 }
 

@@ -15,6 +15,11 @@
 
 namespace moestream {
 
+// Host staging records (each the size of the largest record read): a
+// call's misses are read through this many at once. The memory plan counts
+// them (runtime/memory.py STAGING_RECORDS).
+constexpr int kStagingRecords = 2;
+
 class RecordReader {
  public:
   RecordReader(const BlobLayout& blob, std::vector<uint32_t> checksums,
@@ -28,10 +33,11 @@ class RecordReader {
   // run one at a time: the stream's, or the host's after a synchronize),
   // then hand it to `use`.
   void staged(int expert, const std::function<void(const uint8_t*)>& use);
-  // staged() for several records at once, on the reader threads and this
-  // one: each read into its thread's own staging record, then use(i, record)
-  // there (so `use` must be safe on distinct i at once). Rethrows the error of
-  // the lowest i that failed, after every other has run.
+  // staged() for several records, kStagingRecords at once (on the reader
+  // threads and this one), each read into one of the staging records, then
+  // use(i, record) there (so `use` must be safe on distinct i at once). If a
+  // read fails, the records after it in its lane are not read; the error of
+  // the lowest lane that failed is rethrown once every lane has stopped.
   void each_staged(const std::vector<int>& experts,
                    const std::function<void(size_t, const uint8_t*)>& use);
   static constexpr int64_t kMinPiece = 256 << 10, kPieceAlign = 64 << 10;

@@ -33,7 +33,7 @@ FOREIGN = {
     "minutes", "out", "no-save-model", "max-gpu-gb",  # scripts/train_router.py
     "case", "cgroup", "limit",  # scripts/cgroup_ab.py
     "prompts", "before", "tier", "groups",  # scripts/gpu_prefill.py, gpu_groups.py
-    "from-memory",  # scripts/kernel_ops.py
+    "from-memory", "blocked",  # scripts/kernel_ops.py
     "pct",  # scripts/kernel_ab.py
 }  # fmt: skip
 

@@ -29,6 +29,9 @@ RESERVE_FRACTION = 0.03
 # between `plan` and `run-moe` (measured 83-89 MB on a CPU), move no slot.
 PROCESS_STEP = 32 << 20
 PROCESS_FLOOR = 128 << 20
+# Host staging records, each the size of the largest record: a call's misses
+# are read through this many at once (csrc/record_reader.h kStagingRecords).
+STAGING_RECORDS = 2
 
 
 class BudgetError(ValueError):
@@ -44,7 +47,7 @@ class MemoryPlan:
     dense: int
     kv_cache: int
     activations: int
-    staging: int  # a record being widened
+    staging: int  # records being read and widened (STAGING_RECORDS)
     reserve: int  # allocator slack and fragmentation outside MLX's accounting
     slot_bytes: int  # one slot in every MoE layer
     capacity: int
@@ -178,7 +181,9 @@ def plan_memory(
     slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
     kv = concurrency * _kv_bytes(config, context, compute)
     act = concurrency * _activation_bytes(config, context, top_k)
-    staging = max((x.record_nbytes for x in manifest.layers), default=0)
+    staging = STAGING_RECORDS * max(
+        (x.record_nbytes for x in manifest.layers), default=0
+    )
     dequant = max((_dequant_nbytes(x, compute) for x in manifest.layers), default=0)
     dequant = dequant if fast else 0
     if cache_experts is None and budget is None:
