@@ -348,7 +348,7 @@ def format_plan(result: dict[str, Any]) -> str:
         row("dense", p["dense"], "attention, norms, embeddings, routers, shared"),
         row("KV cache", p["kv_cache"]),
         row("activations", p["activations"], "a prefill chunk"),
-        row("staging", p["staging"], "a record being read, buffers"),
+        row("staging", p["staging"], "records being read: two of the largest"),
         row("reserve", p["reserve"], "allocator slack: 32 MB + 3 % of the budget"),
         row(
             "experts",
