@@ -4,8 +4,10 @@
 #include "expert_cache.h"
 
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace moestream {
 
