@@ -8,14 +8,13 @@ ways give the same slots."""
 from __future__ import annotations
 
 import os
-import shutil
 import zlib
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import PROMPT, corrupt_layer, logits_stepwise, tiny_converted
+from helpers import PROMPT, copy_of, corrupt_layer, logits_stepwise, tiny_converted
 
 import moestream
 from moestream.formats import Recipe, load_manifest
@@ -93,8 +92,7 @@ def test_pieces_give_the_resident_models_logits(big, readers: int | str):
 @pytest.mark.parametrize("where", ["first", "last"])
 def test_a_bad_piece_fails_the_checksum(big, tmp_path: Path, where: str):
     _, src = big
-    out = tmp_path / "model"
-    shutil.copytree(src, out)
+    out = copy_of(src, tmp_path)
     layer = load_manifest(out).layers[1]
     at = 7 if where == "first" else layer.record_nbytes - 3
     corrupt_layer(out, layer, at=at)
@@ -106,8 +104,7 @@ def test_a_bad_piece_fails_the_checksum(big, tmp_path: Path, where: str):
 
 def test_a_record_cut_in_a_later_piece(big, tmp_path: Path):
     _, src = big
-    out = tmp_path / "model"
-    shutil.copytree(src, out)
+    out = copy_of(src, tmp_path)
     layer = load_manifest(out).layers[1]
     model, _ = moestream.load(out, cache_experts=2, engine="native", readers=8)
     in_pieces(model)
@@ -120,8 +117,7 @@ def test_a_record_cut_in_a_later_piece(big, tmp_path: Path):
 @pytest.mark.parametrize("whole", [True, False])
 def test_a_bad_record_fails_its_checksum_read_either_way(big, tmp_path, whole):
     _, src = big
-    out = tmp_path / "model"
-    shutil.copytree(src, out)
+    out = copy_of(src, tmp_path)
     layer = load_manifest(out).layers[0]
     corrupt_layer(out, layer, at=layer.record_nbytes // 2)
     model, _ = moestream.load(out, cache_experts=2, engine="native", readers=8)
