@@ -283,6 +283,7 @@ NB_MODULE(_native, m) {
       "slots hold each projection kernel_block() rows at a time.");
   m.def("kernel_lanes", &moestream::kernel_lanes,
         "The rows of one of the CPU kernel's vectors: 16 with AVX-512, else 8.");
+  m.attr("staging_records") = moestream::kStagingRecords;
   m.def("kernel_block", &moestream::kernel_block,
         "The rows of one block of the blocked layout (slots and records): 16.");
   m.def("set_pool_spin", &moestream::set_pool_spin, "micros"_a,

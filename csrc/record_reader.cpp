@@ -105,10 +105,13 @@ namespace {
 // The host staging records every layer shares (reads into them run one call
 // at a time: the stream's, or the host's after a synchronize), page-aligned,
 // grown to the largest record read.
+struct Free {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+
 struct StagingRecords {
   std::mutex mutex;
-  std::unique_ptr<uint8_t, decltype(&std::free)> record[kStagingRecords] = {
-      {nullptr, &std::free}, {nullptr, &std::free}};
+  std::unique_ptr<uint8_t, Free> record[kStagingRecords];
   int64_t size[kStagingRecords] = {};
 
   uint8_t* at(int lane, int64_t nbytes) {

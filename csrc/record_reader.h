@@ -17,7 +17,7 @@ namespace moestream {
 
 // Host staging records (each the size of the largest record read): a
 // call's misses are read through this many at once. The memory plan counts
-// them (runtime/memory.py STAGING_RECORDS).
+// them (runtime/memory.py STAGING_RECORDS; a test checks the two agree).
 constexpr int kStagingRecords = 2;
 
 class RecordReader {

@@ -125,3 +125,11 @@ def test_a_bad_record_fails_its_checksum_read_either_way(big, tmp_path, whole):
         in_pieces(model)
     with pytest.raises(ExpertReadError, match="fails its checksum"):
         logits_stepwise(model, PROMPT, steps=2)
+
+
+def test_the_plan_counts_the_staging_records_the_reader_has():
+    """The memory plan sizes as many staging records as the native reader
+    reads a call's misses through."""
+    from moestream.runtime.memory import STAGING_RECORDS
+
+    assert native._native.staging_records == STAGING_RECORDS
