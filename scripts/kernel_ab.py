@@ -81,8 +81,12 @@ def child(
     experts = load_manifest(Path(model_dir)).layers[0].num_experts
     options = {"cpu_kernel": True, "verify": "no-verify" not in flags}
     for f in fields(Tuning):  # a Tuning field's number: KEY=VALUE
-        if f.name in flags:
-            options[f.name] = type(getattr(Tuning, f.name))(flags[f.name])
+        default = getattr(Tuning, f.name)
+        if f.name not in flags:
+            continue
+        if isinstance(default, bool) or not isinstance(default, int | float):
+            raise SystemExit(f"{f.name}: only numeric Tuning fields take a value here")
+        options[f.name] = type(default)(flags[f.name])
     if "mapped" in flags:
         model, _ = load(Path(model_dir), backend="mapped", **options)
     else:
