@@ -177,6 +177,13 @@ NB_MODULE(_native, m) {
           [](ExpertCache& c, int n) { c.reader().readers = n; },
           "Reader threads one record's read is split over (in pieces).")
       .def_prop_rw(
+          "fill_in_kernel",
+          [](ExpertCache& c) { return c.fills_in_kernel(); },
+          [](ExpertCache& c, bool on) { c.fill_in_kernel(on); },
+          "CPU slots that only the kernel reads, given this cache as its "
+          "`fills`: a miss whose record the page cache holds is filled by "
+          "that kernel as it computes from the mapped record, not read.")
+      .def_prop_rw(
           "read_cached_whole",
           [](ExpertCache& c) { return c.reader().read_cached_whole; },
           [](ExpertCache& c, bool on) { c.reader().read_cached_whole = on; },
@@ -217,6 +224,7 @@ NB_MODULE(_native, m) {
             d["prefetched_used"] = k.prefetched_used.exchange(0);
             d["misses_prefetched"] = k.misses_prefetched.exchange(0);
             d["prefetch_bytes"] = k.prefetch_bytes.exchange(0);
+            d["kernel_fills"] = k.kernel_fills.exchange(0);
             return d;
           },
           "The counters since the last call (they restart at zero).");
@@ -268,19 +276,22 @@ NB_MODULE(_native, m) {
       [](const mlx::core::array& x, const mlx::core::array& inds,
          const std::vector<mlx::core::array>& weights,
          const std::vector<std::tuple<int, int>>& specs, int threads,
-         bool blocked) {
+         bool blocked, std::shared_ptr<ExpertCache> fills) {
         std::vector<moestream::QuantSpec> s;
         for (auto& [bits, group_size] : specs) {
           s.push_back({bits, group_size});
         }
-        return moestream::expert_mlp(x, inds, weights, s, threads, blocked);
+        return moestream::expert_mlp(x, inds, weights, s, threads, blocked,
+                                     std::move(fills));
       },
       "x"_a, "inds"_a, "weights"_a, "specs"_a, "threads"_a = 0,
-      "blocked"_a = false,
+      "blocked"_a = false, "fills"_a = nb::none(),
       "SwitchGLU with SwiGLU over slot arrays, bit for bit MLX's CPU ops; "
       "`weights` gate, up, down (weight, scales, biases), `specs` their "
       "(bits, group_size); `threads` 0 uses every core; `blocked`: the "
-      "slots hold each projection kernel_block() rows at a time.");
+      "slots hold each projection kernel_block() rows at a time; `fills`: "
+      "the slots' cache, whose slots left waiting by its fetch "
+      "(fill_in_kernel) the call fills as it reads their records.");
   m.def("kernel_lanes", &moestream::kernel_lanes,
         "The rows of one of the CPU kernel's vectors: 16 with AVX-512, else 8.");
   m.attr("staging_records") = moestream::kStagingRecords;

@@ -17,6 +17,7 @@ struct Counters {
   std::atomic<int64_t> calls{0}, prefetched{0}, prefetched_used{0};
   std::atomic<int64_t> device_calls{0}; // of calls: resolved by a kernel
   std::atomic<int64_t> misses_prefetched{0}, prefetch_bytes{0};
+  std::atomic<int64_t> kernel_fills{0}; // of misses: left to the kernel
 };
 
 // One call's counts, kept in call order when recording.

@@ -154,6 +154,9 @@ Pool& pool() {
 // kernels, kernels(bits, format, true)) holds its rows kBlock at a time:
 // word w of row r at ((r / kBlock) * words + w) * kBlock + r % kBlock, scale
 // or bias g at ((r / kBlock) * groups + g) * kBlock + r % kBlock.
+struct Matrix;
+using RowsFn = void (*)(const Matrix&, int64_t, const float*, float*);
+
 struct Matrix {
   const uint8_t* w;
   const uint8_t* scales;
@@ -161,6 +164,14 @@ struct Matrix {
   int64_t rows, cols, row_bytes, groups;
   int group_size;
   ScaleFormat format{ScaleFormat::F32};
+  // The fused rows of this matrix where they are not its projection's
+  // (a record read in place among slots: ExpertFill).
+  RowsFn rows_fn{nullptr};
+  // A blocked slot the fused rows write as they read (blocked words, float32
+  // scales and biases), or none: rows_blocked<bits, F, true>.
+  uint32_t* fill_w{nullptr};
+  float* fill_scales{nullptr};
+  float* fill_biases{nullptr};
 };
 
 // Scale or bias i of a row, as float32: cast.h's widening, bit for bit.
@@ -483,6 +494,14 @@ inline void load_block_words(const uint32_t* p, VU* w) {
   }
 }
 
+// load_block_words' words stored at `p` as they were loaded.
+template <int bits>
+inline void store_block_words(uint32_t* p, const VU* w) {
+  for (int b = 0; b < bits; b++) {
+    std::memcpy(p + b * kBlock, &w[b], sizeof(VU));
+  }
+}
+
 // The index of element 0 of row r in a blocked matrix of `cols` elements a
 // row: element c of rows [r, r + kLanes) at that + c * kBlock, side by side.
 inline int64_t block_at(int64_t r, int64_t cols) {
@@ -495,7 +514,9 @@ inline int64_t block_at(int64_t r, int64_t cols) {
 // rows_block's, in its order. Blocks are rows in order, so the next call's
 // words, scales and biases follow ours: they are asked for as these are
 // read. A vector past the last row reads the last rows and is not stored.
-template <int bits, ScaleFormat F>
+// `Fill`: every word, scale and bias read is also written, as float32, at
+// its place in m's fill slot (which then holds these rows as a slot would).
+template <int bits, ScaleFormat F, bool Fill = false>
 void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
   constexpr int64_t size = scale_size<F>();
   const int64_t words = m.row_bytes / 4, chunks = m.cols / 32;
@@ -507,6 +528,16 @@ void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
     w[v] = reinterpret_cast<const uint32_t*>(m.w) + block_at(r, words);
     sc[v] = m.scales + block_at(r, m.groups) * size;
     bi[v] = m.biases + block_at(r, m.groups) * size;
+  }
+  uint32_t* fw[2] = {};
+  float *fs[2] = {}, *fb[2] = {};
+  if constexpr (Fill) {
+    for (int v = 0; v < 2; v++) {
+      int64_t r = std::min(r0 + v * kLanes, m.rows - kLanes);
+      fw[v] = m.fill_w + block_at(r, words);
+      fs[v] = m.fill_scales + block_at(r, m.groups);
+      fb[v] = m.fill_biases + block_at(r, m.groups);
+    }
   }
   const int64_t ahead = r0 + kRows < m.rows ? kRows * words : 0;
   if (ahead) {
@@ -527,10 +558,20 @@ void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
       b0 = load_scales<F>(bi[0] + g * kBlock * size);
       s1 = load_scales<F>(sc[1] + g * kBlock * size);
       b1 = load_scales<F>(bi[1] + g * kBlock * size);
+      if constexpr (Fill) {
+        store_vf(fs[0] + g * kBlock, s0);
+        store_vf(fb[0] + g * kBlock, b0);
+        store_vf(fs[1] + g * kBlock, s1);
+        store_vf(fb[1] + g * kBlock, b1);
+      }
     }
     VU w0v[bits], w1v[bits];
     load_block_words<bits>(w[0] + c * bits * kBlock, w0v);
     load_block_words<bits>(w[1] + c * bits * kBlock, w1v);
+    if constexpr (Fill) {
+      store_block_words<bits>(fw[0] + c * bits * kBlock, w0v);
+      store_block_words<bits>(fw[1] + c * bits * kBlock, w1v);
+    }
     if (ahead) {
       const char* n0 = reinterpret_cast<const char*>(w[0] + ahead + c * bits * kBlock);
       const char* n1 = reinterpret_cast<const char*>(w[1] + ahead + c * bits * kBlock);
@@ -550,8 +591,6 @@ void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
   }
   store_rows(out, r0, m.rows, acc0, acc1);
 }
-
-using RowsFn = void (*)(const Matrix&, int64_t, const float*, float*);
 
 template <ScaleFormat F>
 RowsFn rows_fn_of(int bits) {
@@ -910,6 +949,28 @@ Kernels blocked_kernels_of(int bits) {
   throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
 }
 
+template <ScaleFormat F>
+RowsFn blocked_fill_of(int bits) {
+  switch (bits) {
+    case 2: return rows_blocked<2, F, true>;
+    case 3: return rows_blocked<3, F, true>;
+    case 4: return rows_blocked<4, F, true>;
+    case 5: return rows_blocked<5, F, true>;
+    case 6: return rows_blocked<6, F, true>;
+    case 8: return rows_blocked<8, F, true>;
+  }
+  throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
+}
+
+// The fused rows of a blocked matrix that write its fill slot as they read.
+RowsFn blocked_fill_fn(int bits, ScaleFormat format) {
+  switch (format) {
+    case ScaleFormat::BF16: return blocked_fill_of<ScaleFormat::BF16>(bits);
+    case ScaleFormat::F16: return blocked_fill_of<ScaleFormat::F16>(bits);
+    default: return blocked_fill_of<ScaleFormat::F32>(bits);
+  }
+}
+
 // The kernels of a row-major matrix, or of a blocked one.
 Kernels kernels(int bits, ScaleFormat format = ScaleFormat::F32,
                 bool blocked = false) {
@@ -997,7 +1058,8 @@ int threads_or_all(int threads) {
 
 // The routed experts of `pairs` (token, k) pairs: gate and up, SwiGLU, down,
 // each pair's output rows split over threads. mat(p, pair) is projection p
-// (gate, up, down) of the pair's expert.
+// (gate, up, down) of the pair's expert, on its own fused rows where it
+// names them (Matrix::rows_fn), else on fn[p]'s.
 // `which` (when given) names the pairs to compute, `pairs` of them; a pair's
 // arithmetic is the same whichever others run beside it.
 using MatFn = std::function<Matrix(int, int64_t)>;
@@ -1020,15 +1082,17 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
     const float* xt = x + pair / k * d_in;
     float* hp = h + i * hidden;
     float* gp = g + i * hidden;
-    matvec(mat(0, pair), fn[0].rows, r0, r1, xt, gp);
-    matvec(mat(1, pair), fn[1].rows, r0, r1, xt, hp);
+    Matrix gate = mat(0, pair), up = mat(1, pair);
+    matvec(gate, gate.rows_fn ? gate.rows_fn : fn[0].rows, r0, r1, xt, gp);
+    matvec(up, up.rows_fn ? up.rows_fn : fn[1].rows, r0, r1, xt, hp);
     swiglu_n(gp + r0, hp + r0, hp + r0, r1 - r0);
   });
   int64_t db = (d_out + kTaskRows - 1) / kTaskRows;
   parallel_for(int(pairs * db), threads, [&](int task) {
     int64_t i = task / db, r0 = task % db * kTaskRows, pair = pair_at(i);
     int64_t r1 = std::min(d_out, r0 + kTaskRows);
-    matvec(mat(2, pair), fn[2].rows, r0, r1, h + i * hidden,
+    Matrix down = mat(2, pair);
+    matvec(down, down.rows_fn ? down.rows_fn : fn[2].rows, r0, r1, h + i * hidden,
            y + pair * d_out);
   });
 }
@@ -1141,9 +1205,148 @@ static void run_calls(const float* x, const uint32_t* key, uint32_t keys,
   run_groups(x, gr, k, d_in, hidden, d_out, mat, fn, y, threads);
 }
 
+// The scale format a segment's record stores (its cast to float32 slots).
+static bool record_format(Cast cast, ScaleFormat& format) {
+  switch (cast) {
+    case Cast::None: format = ScaleFormat::F32; return true;
+    case Cast::Bf16ToF32: format = ScaleFormat::BF16; return true;
+    case Cast::F16ToF32: format = ScaleFormat::F16; return true;
+    default: return false;
+  }
+}
+
+// The slots of one ExpertMlp call that wait for their records
+// (ExpertCache::fill_in_kernel). A slot's pairs are computed from its mapped
+// record; where the slot and the record are both blocked and the slot's
+// pairs run on fused rows, its first pair writes the slot as it reads the
+// record (rows_blocked<bits, F, true>), else the slot is filled first and
+// read as any other.
+class KernelFills {
+ public:
+  KernelFills(ExpertCache* cache, uint32_t slots)
+      : cache_(cache), record_(slots, nullptr), expert_(slots, -1),
+        copier_(slots, -1) {}
+
+  // Take the fills of the call's slots (`pairs` of them at `slot`) from
+  // the cache, if any; the kernel computes from `in` (ExpertMlp's inputs).
+  void take(const std::vector<mx::array>& in,
+            const std::vector<QuantSpec>& specs, const uint32_t* slot,
+            int64_t pairs) {
+    if (!cache_) {
+      return;
+    }
+    ExpertCache* cache = cache_;
+    std::vector<int64_t> uses(record_.size(), 0);
+    for (int64_t p = 0; p < pairs; p++) {
+      uint32_t s = slot[p];
+      if (uses[s]++ == 0) {
+        record_[s] = cache->take_fill(int(s), expert_[s]);
+        if (record_[s]) {
+          taken_.push_back(int(s));
+          copier_[s] = p;
+        }
+      }
+    }
+    if (taken_.empty()) {
+      return;
+    }
+    try {
+      bool fused = plan_projections(in, specs);
+      for (int s : taken_) {
+        if (!fused || uses[s] >= kMinTokens) { // panels read slots: fill first
+          cache->memory.fill_host(record_[s], s);
+          record_[s] = nullptr;
+        }
+      }
+    } catch (...) {
+      drop();
+      throw;
+    }
+  }
+
+  // Projection p of `pair` (on slot s): the slot's matrix `m`, or the
+  // record's where the slot waits for it.
+  Matrix at(int p, int64_t pair, uint32_t s, Matrix m) const {
+    const uint8_t* r = record_[s];
+    if (!r) {
+      return m;
+    }
+    const Projection& q = proj_[p];
+    if (copier_[s] == pair) {
+      m.fill_w = reinterpret_cast<uint32_t*>(const_cast<uint8_t*>(m.w));
+      m.fill_scales = reinterpret_cast<float*>(const_cast<uint8_t*>(m.scales));
+      m.fill_biases = reinterpret_cast<float*>(const_cast<uint8_t*>(m.biases));
+      m.rows_fn = q.fill;
+    } else {
+      m.rows_fn = q.rows;
+    }
+    m.w = r + q.weight;
+    m.scales = r + q.scales;
+    m.biases = r + q.biases;
+    m.format = q.format;
+    return m;
+  }
+
+  // The call failed: a slot the kernel may have half written leaves the table.
+  void drop() {
+    for (int s : taken_) {
+      cache_->drop(expert_[s]);
+    }
+  }
+
+  bool any() const {
+    return !taken_.empty();
+  }
+
+ private:
+  struct Projection {
+    int64_t weight, scales, biases;
+    ScaleFormat format;
+    RowsFn rows, fill;
+  };
+
+  // Each projection's segments in the record, found by the slot arrays the
+  // kernel reads: true where every one is blocked in its record and slot.
+  bool plan_projections(const std::vector<mx::array>& in,
+                        const std::vector<QuantSpec>& specs) {
+    const auto& memory = cache_->memory;
+    const Segment* seg[9];
+    for (int i = 0; i < 9; i++) {
+      seg[i] = nullptr;
+      for (size_t j = 0; j < memory.slots.size(); j++) {
+        if (memory.slots[j].data<uint8_t>() == in[2 + i].data<uint8_t>()) {
+          seg[i] = &memory.segments[j];
+        }
+      }
+      if (!seg[i] || !seg[i]->slot_blocked || !seg[i]->record_blocked) {
+        return false;
+      }
+    }
+    for (int p = 0; p < 3; p++) {
+      const Segment &w = *seg[3 * p], &sc = *seg[3 * p + 1], &bi = *seg[3 * p + 2];
+      ScaleFormat f, fb;
+      if (w.cast != Cast::None || !record_format(sc.cast, f) ||
+          !record_format(bi.cast, fb) || f != fb) {
+        return false;
+      }
+      proj_[p] = {w.offset, sc.offset, bi.offset, f, nullptr, nullptr};
+      proj_[p].rows = kernels(specs[p].bits, f, true).rows;
+      proj_[p].fill = blocked_fill_fn(specs[p].bits, f);
+    }
+    return true;
+  }
+
+  ExpertCache* cache_;
+  std::vector<const uint8_t*> record_; // per slot: its mapped record, or null
+  std::vector<int> expert_;
+  std::vector<int64_t> copier_; // per slot: the pair that writes it
+  std::vector<int> taken_;
+  Projection proj_[3] = {};
+};
+
 static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
                            const std::vector<QuantSpec>& specs, int threads,
-                           bool blocked) {
+                           bool blocked, ExpertCache* cache) {
   const auto& x = in[0];
   const auto& inds = in[1];
   int64_t pairs = inds.size(), k = inds.shape(-1), d_in = x.shape(-1);
@@ -1162,13 +1365,20 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
                          kernels(specs[1].bits, f32, blocked),
                          kernels(specs[2].bits, f32, blocked)};
   std::vector<float> xt;
-  run_calls(
-      row_major(x, xt), slot, slots, pairs, k, d_in, hidden, d_out,
-      [&](int p, int64_t pair) {
-        return matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
+  KernelFills fills(cache, slots);
+  fills.take(in, specs, slot, pairs);
+  auto mat = [&](int p, int64_t pair) {
+    Matrix m = matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
                       slot[pair]);
-      },
-      fn, out.data<float>(), threads);
+    return fills.any() ? fills.at(p, pair, slot[pair], m) : m;
+  };
+  try {
+    run_calls(row_major(x, xt), slot, slots, pairs, k, d_in, hidden, d_out,
+              mat, fn, out.data<float>(), threads);
+  } catch (...) {
+    fills.drop();
+    throw;
+  }
 }
 
 static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
@@ -1230,15 +1440,16 @@ void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,
                          std::vector<mx::array>& outputs) {
   dispatch(stream(), inputs, outputs[0],
            [inputs, out = outputs[0], specs = specs_,
-            threads = threads_or_all(threads_), blocked = blocked_]() mutable {
-             expert_mlp_run(inputs, out, specs, threads, blocked);
+            threads = threads_or_all(threads_), blocked = blocked_,
+            fills = fills_]() mutable {
+             expert_mlp_run(inputs, out, specs, threads, blocked, fills.get());
            });
 }
 
 bool ExpertMlp::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const ExpertMlp&>(other);
-  return specs_ == o.specs_ && threads_ == o.threads_ &&
-         blocked_ == o.blocked_;
+  return !fills_ && !o.fills_ && specs_ == o.specs_ &&
+         threads_ == o.threads_ && blocked_ == o.blocked_;
 }
 
 void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
@@ -1310,7 +1521,7 @@ static void check_float32(const mx::array& a, const char* what) {
 mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      const std::vector<mx::array>& weights,
                      const std::vector<QuantSpec>& specs, int threads,
-                     bool blocked) {
+                     bool blocked, std::shared_ptr<ExpertCache> fills) {
   if (weights.size() != 9 || specs.size() != 3) {
     throw std::invalid_argument(
         "moestream kernel: gate, up, down (weight, scales, biases) expected");
@@ -1341,7 +1552,8 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
   auto shape = inds.shape();
   shape.push_back(weights[6].shape(-2));
   return mx::array(shape, mx::float32,
-                   std::make_shared<ExpertMlp>(s, specs, threads, blocked),
+                   std::make_shared<ExpertMlp>(s, specs, threads, blocked,
+                                               std::move(fills)),
                    std::move(inputs));
 }
 

@@ -165,14 +165,18 @@ void unblock_rows(const uint8_t* src, int64_t rows, int64_t cols, uint32_t* dst)
 // expert's weights `[rows / 16, words, 16]` (word w of a block's rows side
 // by side), its float32 scales and biases `[rows / 16, groups, 16]`, in
 // arrays of the row-major shapes.
+// With `fills` (the slots' cache, ExpertCache::fill_in_kernel), the slots a
+// call's fetch left waiting for their records are computed from the mapped
+// records and written as they are read.
 class ExpertMlp : public CpuKernel {
  public:
   ExpertMlp(mx::Stream s, std::vector<QuantSpec> specs, int threads,
-            bool blocked)
+            bool blocked, std::shared_ptr<ExpertCache> fills = nullptr)
       : CpuKernel(s),
         specs_(std::move(specs)),
         threads_(threads),
-        blocked_(blocked) {}
+        blocked_(blocked),
+        fills_(std::move(fills)) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -184,6 +188,7 @@ class ExpertMlp : public CpuKernel {
   std::vector<QuantSpec> specs_; // gate, up, down
   int threads_;
   bool blocked_;
+  std::shared_ptr<ExpertCache> fills_;
 };
 
 // x `[..., K]` @ dequantized(w `[N, K * bits / 32]`).T: mx.quantized_matmul
@@ -239,7 +244,8 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
 mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      const std::vector<mx::array>& weights,
                      const std::vector<QuantSpec>& specs, int threads,
-                     bool blocked = false);
+                     bool blocked = false,
+                     std::shared_ptr<ExpertCache> fills = nullptr);
 mx::array quant_matmul(const mx::array& x, const mx::array& w,
                        const mx::array& scales, const mx::array& biases,
                        QuantSpec spec, int threads);

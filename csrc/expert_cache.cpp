@@ -103,9 +103,12 @@ void ExpertCache::hint(const uint32_t* experts, int64_t n) {
 
 void ExpertCache::resolve_call(
     const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
-    int64_t call, const UseRecord& use) {
+    int64_t call, const UseRecord& use, bool defer) {
   CallRecord record{call};
   CallRecord* rec = log.recording() && call >= 0 ? &record : nullptr;
+  if (view_) {
+    settle_fills();
+  }
   if (mapped()) {
     resolve_mapped(experts, n, tokens, out, rec);
   } else if (tier_) {
@@ -118,7 +121,7 @@ void ExpertCache::resolve_call(
       }
     }, rec);
   } else {
-    resolve_in_parallel(experts, n, tokens, out, use, rec);
+    resolve_in_parallel(experts, n, tokens, out, use, rec, defer);
   }
   if (rec) {
     log.add(std::move(record));

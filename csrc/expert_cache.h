@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -74,8 +75,29 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // else into the staging record) and handed to `use`. When recording, its
   // counts are kept under `call` (a negative id keeps none); the loads of one
   // grouped call share its id and add up.
+  // `defer`: CPU slots whose kernel fills them (fill_in_kernel) leave a miss
+  // it can read in place to it.
   void resolve_call(const uint32_t* experts, int64_t n, int tokens,
-                    uint32_t* out, int64_t call, const UseRecord& use);
+                    uint32_t* out, int64_t call, const UseRecord& use,
+                    bool defer = false);
+  // CPU slots that only the kernel reads, given this cache (ExpertMlp's
+  // `fills`): a fetch's miss whose record has been checked and lies whole in
+  // the page cache is not read. Its slot waits for the kernel, which computes
+  // the call's pairs of it from the blob's mapping and writes the slot as it
+  // reads (take_fill): one pass over the record instead of a read, a copy
+  // into the slot and a pass over the slot. A fill no kernel took is made
+  // when the layer's next call resolves.
+  void fill_in_kernel(bool on);
+  bool fills_in_kernel() const {
+    return bool(view_);
+  }
+  // The pending fill of `slot`, taken: its expert's mapped record (its pages
+  // mapped in), and `expert`; null where the slot waits for none.
+  const uint8_t* take_fill(int slot, int& expert);
+  // A taken fill the kernel did not finish: its expert leaves the slot.
+  void drop(int expert) {
+    table_.drop(expert);
+  }
   // Make `experts` resident now (host-blocking; the caller has synchronized),
   // as (part of) call `call`.
   void load(const std::vector<int>& experts, int tokens, int64_t call);
@@ -151,7 +173,13 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // miss leaves its slot and it rethrows.
   void resolve_in_parallel(const uint32_t* experts, int64_t n, int tokens,
                            uint32_t* out, const UseRecord& use,
-                           CallRecord* rec);
+                           CallRecord* rec, bool defer);
+  // Make the fills no kernel took (a failed read drops the slot instead: the
+  // next call that routes to its expert reads it and says why).
+  void settle_fills();
+  // A miss the kernel can fill: checked, no failure injected, every page of
+  // its record in the page cache (and now mapped in).
+  bool fillable(int expert);
   // `resolve` for a mapped blob: `out` is `experts`.
   void resolve_mapped(const uint32_t* experts, int64_t n, int tokens,
                       uint32_t* out, CallRecord* rec);
@@ -165,6 +193,12 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   std::shared_ptr<ExpertCache> next_;
   std::shared_ptr<HostTier> tier_;
   int64_t tier_base_{0};
+  // fill_in_kernel: the blob mapped (again after the reader reopens it), and
+  // per slot the expert whose record it waits for, or -1.
+  std::unique_ptr<MappedBlob> view_;
+  int view_opens_{0};
+  std::mutex fills_mutex_;
+  std::vector<int> fills_;
 };
 
 } // namespace moestream

@@ -34,7 +34,8 @@ void ExpertFetch::eval_cpu(
     std::memset(out.data<uint32_t>(), 0, out.nbytes());
     c.resolve_call(
         inds.data<uint32_t>(), n, tokens, out.data<uint32_t>(), call,
-        [&](const uint8_t* record, int64_t, int s) { c.memory.fill_host(record, s); });
+        [&](const uint8_t* record, int64_t, int s) { c.memory.fill_host(record, s); },
+        c.fills_in_kernel());
     if (predicted && c.next()) {
       c.next()->hint(predicted->data<uint32_t>(), predicted->size());
     }

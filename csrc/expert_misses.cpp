@@ -4,6 +4,8 @@
 #include "expert_cache.h"
 
 #include <exception>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -56,12 +58,34 @@ void ExpertCache::resolve_through_tier(
 
 void ExpertCache::resolve_in_parallel(const uint32_t* experts, int64_t n,
                                       int tokens, uint32_t* out,
-                                      const UseRecord& use, CallRecord* rec) {
+                                      const UseRecord& use, CallRecord* rec,
+                                      bool defer) {
   std::vector<int> missed, slots;
   resolve(experts, n, tokens, out, [&](int e, int s) {
     missed.push_back(e);
     slots.push_back(s);
   }, rec);
+  if (defer && view_) { // the kernel fills what it can read in place
+    size_t kept = 0;
+    for (size_t i = 0; i < missed.size(); i++) {
+      if (!fillable(missed[i])) {
+        missed[kept] = missed[i];
+        slots[kept++] = slots[i];
+        continue;
+      }
+      {
+        std::lock_guard<std::mutex> lock(fills_mutex_);
+        fills_[slots[i]] = missed[i];
+      }
+      counters.kernel_fills += 1;
+      counters.bytes_read += record_nbytes; // through the mapping
+      if (rec) {
+        rec->bytes_read += record_nbytes;
+      }
+    }
+    missed.resize(kept);
+    slots.resize(kept);
+  }
   if (missed.empty()) {
     return;
   }
@@ -77,6 +101,71 @@ void ExpertCache::resolve_in_parallel(const uint32_t* experts, int64_t n,
   }
   if (rec) {
     rec->bytes_read += record_nbytes * int64_t(missed.size());
+  }
+}
+
+void ExpertCache::fill_in_kernel(bool on) {
+  if (!on) {
+    settle_fills();
+    view_.reset();
+    return;
+  }
+  if (mapped() || tier_ || memory.on_gpu) {
+    throw std::invalid_argument(
+        "fill_in_kernel: only CPU slots without a host tier fill in the kernel");
+  }
+  if (!view_) {
+    view_opens_ = reader_.reopens.load();
+    view_ = std::make_unique<MappedBlob>(reader_.blob, reader_.fd());
+    fills_.assign(capacity, -1);
+  }
+}
+
+bool ExpertCache::fillable(int expert) {
+  if (reader_.reopens.load() != view_opens_) { // no fill is pending now
+    view_opens_ = reader_.reopens.load();
+    view_ = std::make_unique<MappedBlob>(reader_.blob, reader_.fd());
+  }
+  if (reader_.check.needed(expert) || reader_.failing(expert) ||
+      view_->absent_bytes(expert) != 0) {
+    return false;
+  }
+  try { // map its pages in now: the kernel's reads never fault
+    view_->populate(expert, view_->record(expert), record_nbytes);
+  } catch (const std::exception&) {
+    return false; // read as any miss, which says what failed
+  }
+  return true;
+}
+
+const uint8_t* ExpertCache::take_fill(int slot, int& expert) {
+  std::lock_guard<std::mutex> lock(fills_mutex_);
+  if (!view_ || slot < 0 || slot >= int(fills_.size()) || fills_[slot] < 0) {
+    return nullptr;
+  }
+  expert = fills_[slot];
+  fills_[slot] = -1;
+  return view_->record(expert);
+}
+
+void ExpertCache::settle_fills() {
+  std::vector<std::pair<int, int>> left; // (expert, slot)
+  {
+    std::lock_guard<std::mutex> lock(fills_mutex_);
+    for (size_t s = 0; s < fills_.size(); s++) {
+      if (fills_[s] >= 0) {
+        left.push_back({fills_[s], int(s)});
+        fills_[s] = -1;
+      }
+    }
+  }
+  for (auto [e, s] : left) {
+    try {
+      view_->populate(e, view_->record(e), record_nbytes);
+      memory.fill_host(view_->record(e), s);
+    } catch (const std::exception&) {
+      table_.drop(e);
+    }
   }
 }
 

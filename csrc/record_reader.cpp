@@ -63,6 +63,7 @@ void RecordReader::read(int expert, uint8_t* dst) {
     attempt(expert, dst);
   } catch (const ReadError&) {
     buffered_.reopen(); // a blob replaced by a good copy heals too
+    reopens += 1;
     attempt(expert, dst); // once more: a transient error heals
   }
   bytes_read += blob.record_nbytes;

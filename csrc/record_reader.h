@@ -57,6 +57,15 @@ class RecordReader {
   void inject_failures(int expert, int count);
   // Takes one injected failure of `expert`: true when one was left.
   bool injected(int expert);
+  // Whether a failure of `expert` is injected (none taken).
+  bool failing(int expert) const {
+    return injected_[expert].load() > 0;
+  }
+  // The open blob, and how often a failed read has opened it again.
+  int fd() const {
+    return buffered_.fd();
+  }
+  std::atomic<int> reopens{0};
 
   const BlobLayout blob;
   RecordCheck check;

@@ -315,7 +315,9 @@ class ExpertKernel:
     """`inner(x, slots)` of a SwitchGLU, on the CPU kernel; calls on other than
     float32 run `inner` itself. `blocked`: the slots hold each projection
     kernel_block() rows at a time (the kernel's layout, which only the kernel
-    reads)."""
+    reads). `fills`: the slots' native cache, whose misses the kernel fills
+    as it reads their records in place (ExpertCache.fill_in_kernel; only
+    with blocked slots, which no other op reads)."""
 
     def __init__(self, inner: SwitchGLU, threads: int, blocked: bool = False) -> None:
         self.inner = inner
@@ -323,6 +325,16 @@ class ExpertKernel:
         self.specs = [(p.bits, p.group_size) for p in self.projections]
         self.threads = threads
         self.blocked = blocked
+        self.fills: object | None = None
+
+    def fill_through(self, cache: object) -> None:
+        """Let this kernel fill `cache`'s slots (blocked slots only)."""
+        if not self.blocked:
+            raise NativeEngineError(
+                "Only blocked slots fill in the kernel: other ops read row slots."
+            )
+        cache.fill_in_kernel = True  # type: ignore[attr-defined]
+        self.fills = cache
 
     def __call__(self, x: mx.array, slots: mx.array) -> mx.array:
         weights = [a for p in self.projections for a in (p.weight, p.scales, p.biases)]
@@ -334,7 +346,13 @@ class ExpertKernel:
                 )
             return self.inner(x, slots)
         return _native.expert_mlp(
-            x, slots, weights, self.specs, self.threads, blocked=self.blocked
+            x,
+            slots,
+            weights,
+            self.specs,
+            self.threads,
+            blocked=self.blocked,
+            fills=self.fills,
         )
 
 

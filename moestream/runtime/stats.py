@@ -37,6 +37,9 @@ class RuntimeStats:
     prefetched_used: int = 0  # ... that the next layer routed to
     prefetch_bytes: int = 0
     misses_prefetched: int = 0  # misses whose record had been prefetched
+    # CPU slot misses the CPU kernel filled as it read their records in place
+    # (their records in the page cache: no read into the slot first).
+    kernel_fills: int = 0
     # The native engine's host tier: slot misses whose record it held (read
     # ahead or kept), still being read ahead, or read from the blob then.
     host_hits: int = 0

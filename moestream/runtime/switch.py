@@ -37,7 +37,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from ..formats import BLOCK_ROWS, ExpertLayer
 from . import native
 from .backend import ExecutionPlan
-from .engines import Engine, Outstanding, Routing, make_engine
+from .engines import Engine, NativeEngine, Outstanding, Routing, make_engine
 from .fast import fast_glu, fast_pairs
 from .stats import RuntimeStats
 from .store import ExpertStore
@@ -93,6 +93,8 @@ class StreamingSwitchGLU(nn.Module):
         slots = [m[n] for m, n in self._targets]
         args = (plan, layer, store, slots, self._capacity, stats, outstanding, tier)
         self._engine: Engine = make_engine(*args, blocked=self._blocked)
+        if self._blocked and not plan.gpu and isinstance(self._engine, NativeEngine):
+            kernel.fill_through(self._engine.cache)  # only the kernel reads them
         # The fast arithmetic (plan.fast) on calls of at least this many pairs.
         self._fast = functools.partial(fast_glu, inner)
         rows = plan.tuning.fast_rows

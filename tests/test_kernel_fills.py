@@ -1,0 +1,167 @@
+"""CPU slots filled by the kernel (ExpertCache.fill_in_kernel): a decode
+call's miss whose record has been checked and lies in the page cache is not
+read; the CPU kernel computes its pairs from the blob's mapping and writes
+the slot as it reads (blocked records), or fills it from the mapping first
+(row records). Bit-identical to mlx-lm's resident model on several bit
+widths, group sizes and stored float dtypes; a fill no kernel took is made
+by the layer's next call; what the kernel cannot read in place (a record
+not yet checked, one with a failure) is read as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from builders.synthetic import tiny_qwen3_moe
+from helpers import PROMPT, logits_stepwise
+
+import moestream
+from moestream.converter import convert
+from moestream.formats import Recipe, load_manifest
+from moestream.reference import resident_model
+from moestream.runtime import ExpertReadError, native
+from moestream.runtime.switch import StreamingSwitchGLU
+
+pytestmark = pytest.mark.skipif(
+    not native.available() or not native.kernel_matches_mlx(),
+    reason="the native extension or its exact CPU kernel is not here",
+)
+
+# An expert's hidden size of 192 is twelve blocks of 16 rows, past a task of
+# 64; 256 lets groups of 128 divide it.
+CASES = {
+    "4-4-8-g64-bf16-blocked": (
+        "gate_proj=4,up_proj=4,down_proj=8",
+        64,
+        mx.bfloat16,
+        192,
+        "blocked",
+    ),
+    "2-3-5-g32-f16-blocked": (
+        "gate_proj=2,up_proj=3,down_proj=5",
+        32,
+        mx.float16,
+        192,
+        "blocked",
+    ),
+    "6-8-4-g128-f32-blocked": (
+        "gate_proj=6,up_proj=8,down_proj=4",
+        128,
+        mx.float32,
+        256,
+        "blocked",
+    ),
+    "4-4-8-g64-bf16-rows": (
+        "gate_proj=4,up_proj=4,down_proj=8",
+        64,
+        mx.bfloat16,
+        192,
+        "rows",
+    ),
+}
+STEPS = 8
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    """A conversion of one case and the resident model's logits."""
+    bits, group_size, dtype, hidden, layout = CASES[request.param]
+    root = tmp_path_factory.mktemp("fills")
+    geometry = {"num_hidden_layers": 2, "mlp_only_layers": []}
+    hf = tiny_qwen3_moe(
+        root / "hf", dtype=dtype, moe_intermediate_size=hidden, **geometry
+    )
+    name = str(dtype).removeprefix("mlx.core.")
+    out = root / "out"
+    convert(str(hf), out, bits, group_size, dtype=name, progress=False, layout=layout)
+    ref = resident_model(hf, Recipe.parse(bits, group_size=group_size), name)
+    return out, logits_stepwise(ref, PROMPT, steps=STEPS)
+
+
+def warm(out: Path) -> None:
+    """Every blob in the page cache: a miss's record can be read in place."""
+    for layer in load_manifest(out).layers:
+        (out / layer.file).read_bytes()
+
+
+def layers(model) -> list[StreamingSwitchGLU]:
+    return [m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_kernel_fills_give_the_resident_models_logits(case, verify: bool):
+    out, theirs = case
+    warm(out)
+    model, _ = moestream.load(out, engine="native", cache_experts=2, verify=verify)
+    assert all(m._engine.cache.fill_in_kernel for m in layers(model))
+    ours = logits_stepwise(model, PROMPT, steps=STEPS)
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert mx.array_equal(a, b).item(), f"step {step} differs"
+    stats = moestream.stats(model)
+    # Checked records are left to the kernel; unchecked ones are read first.
+    assert 0 < stats.kernel_fills < stats.misses
+
+
+def test_the_same_logits_with_the_kernel_fills_off(case):
+    """The reads into the slots, as before (the test hook turns them back on)."""
+    out, theirs = case
+    warm(out)
+    model, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
+    for m in layers(model):
+        m._engine.cache.fill_in_kernel = False
+        m._experts.fills = None
+    ours = logits_stepwise(model, PROMPT, steps=STEPS)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
+    stats = moestream.stats(model)
+    assert stats.kernel_fills == 0 and stats.misses > 0
+
+
+def slot_bytes(m: StreamingSwitchGLU) -> list[np.ndarray]:
+    arrays = [module[name] for module, name in m._targets]
+    mx.eval(arrays)
+    return [np.array(a.view(mx.uint8)) for a in arrays]
+
+
+def test_a_fill_no_kernel_took_is_made_by_the_next_call(case):
+    """A fetch evaluated without its kernel leaves its slots waiting; the
+    layer's next call fills them from the mapping before it resolves."""
+    out, _ = case
+    warm(out)
+    waiting, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
+    filled, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
+    a, b = layers(waiting)[0], layers(filled)[0]
+    b._engine.cache.fill_in_kernel = False
+    before = slot_bytes(a)
+    ids = mx.array([[3, 5]], mx.uint32)
+    mx.eval(native.fetch(a._engine.cache, ids, None, -1))
+    mx.eval(native.fetch(b._engine.cache, ids, None, -1))
+    assert moestream.stats(waiting).kernel_fills == 2
+    assert all(np.array_equal(x, y) for x, y in zip(before, slot_bytes(a), strict=True))
+    assert not all(
+        np.array_equal(x, y) for x, y in zip(slot_bytes(a), slot_bytes(b), strict=True)
+    )
+    mx.eval(native.fetch(a._engine.cache, ids, None, -1))  # two hits: settles first
+    assert all(
+        np.array_equal(x, y) for x, y in zip(slot_bytes(a), slot_bytes(b), strict=True)
+    )
+
+
+def test_a_failing_record_is_read_and_says_so(case):
+    """An injected read failure is never skipped by an in-place fill."""
+    out, _ = case
+    warm(out)
+    model, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
+    cache = layers(model)[0]._engine.cache
+    cache.inject_read_failures(6, 2)  # the read and its retry
+    with pytest.raises(ExpertReadError):
+        mx.eval(native.fetch(cache, mx.array([[6, 7]], mx.uint32), None, -1))
+    assert moestream.stats(model).kernel_fills <= 1
+
+
+def test_only_cpu_slots_fill_in_the_kernel(case):
+    out, _ = case
+    model, _ = moestream.load(out, engine="native", backend="mapped")
+    with pytest.raises(ValueError, match="only CPU slots"):
+        layers(model)[0]._engine.cache.fill_in_kernel = True
