@@ -208,6 +208,7 @@ class RuntimeStats:
             "evictions": self.evictions,
             "bytes_read": self.bytes_read,
             "fill_bytes": self.fill_bytes,
+            "kernel_fills": self.kernel_fills,
             "hit_rate": self.hit_rate,
             "prefetched": self.prefetched,
             "prefetch_precision": self.prefetch_precision,
