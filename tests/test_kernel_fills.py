@@ -90,12 +90,22 @@ def layers(model) -> list[StreamingSwitchGLU]:
     return [m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)]
 
 
+def fill_in_kernel(model, on: bool) -> None:
+    """The test hook: every layer's kernel fills (blocked records only), or none."""
+    for m in layers(model):
+        m._engine.cache.fill_in_kernel = on
+        m._experts.fills = m._engine.cache if on else None
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_kernel_fills_give_the_resident_models_logits(case, verify: bool):
     out, theirs = case
     warm(out)
     model, _ = moestream.load(out, engine="native", cache_experts=2, verify=verify)
-    assert all(m._engine.cache.fill_in_kernel for m in layers(model))
+    blocked = load_manifest(out).blocked
+    assert all(m._engine.cache.fill_in_kernel == blocked for m in layers(model))
+    if not blocked:  # the path rows would take, forced (it earns nothing there)
+        fill_in_kernel(model, True)
     ours = logits_stepwise(model, PROMPT, steps=STEPS)
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert mx.array_equal(a, b).item(), f"step {step} differs"
@@ -109,9 +119,7 @@ def test_the_same_logits_with_the_kernel_fills_off(case):
     out, theirs = case
     warm(out)
     model, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
-    for m in layers(model):
-        m._engine.cache.fill_in_kernel = False
-        m._experts.fills = None
+    fill_in_kernel(model, False)
     ours = logits_stepwise(model, PROMPT, steps=STEPS)
     assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
     stats = moestream.stats(model)
@@ -131,8 +139,9 @@ def test_a_fill_no_kernel_took_is_made_by_the_next_call(case):
     warm(out)
     waiting, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
     filled, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
+    fill_in_kernel(waiting, True)
+    fill_in_kernel(filled, False)
     a, b = layers(waiting)[0], layers(filled)[0]
-    b._engine.cache.fill_in_kernel = False
     before = slot_bytes(a)
     ids = mx.array([[3, 5]], mx.uint32)
     mx.eval(native.fetch(a._engine.cache, ids, None, -1))
@@ -148,11 +157,31 @@ def test_a_fill_no_kernel_took_is_made_by_the_next_call(case):
     )
 
 
+def test_a_slot_many_pairs_read_is_filled_before_the_call(case):
+    """A decode call whose expert has enough pairs for the panels (a batch of
+    sequences): its slot is filled from the mapping first, then read as any
+    other; the same output as the slots read in the fetch."""
+    out, _ = case
+    warm(out)
+    outputs = []
+    for on in (True, False):
+        model, _ = moestream.load(out, engine="native", cache_experts=6, verify=False)
+        fill_in_kernel(model, on)
+        m = layers(model)[0]
+        x = mx.random.normal((3, 128), key=mx.random.key(1))
+        ids = mx.array([[3, 5], [3, 5], [5, 3]], mx.uint32)  # 3 pairs an expert
+        outputs.append(m._experts(x, native.fetch(m._engine.cache, ids, None, -1)))
+        mx.eval(outputs[-1])
+        assert moestream.stats(model).kernel_fills == (2 if on else 0)
+    assert mx.array_equal(*outputs).item()
+
+
 def test_a_failing_record_is_read_and_says_so(case):
     """An injected read failure is never skipped by an in-place fill."""
     out, _ = case
     warm(out)
     model, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
+    fill_in_kernel(model, True)
     cache = layers(model)[0]._engine.cache
     cache.inject_read_failures(6, 2)  # the read and its retry
     with pytest.raises(ExpertReadError):
