@@ -1292,6 +1292,14 @@ class KernelFills {
     for (int s : taken_) {
       cache_->drop(expert_[s]);
     }
+    done();
+  }
+
+  // The call is over: the records read leave the process's page tables.
+  void done() {
+    for (int s : taken_) {
+      cache_->filled(expert_[s]);
+    }
   }
 
   bool any() const {
@@ -1379,6 +1387,7 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
     fills.drop();
     throw;
   }
+  fills.done();
 }
 
 static void expert_mlp_mapped_run(const std::vector<mx::array>& in,

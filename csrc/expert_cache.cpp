@@ -106,7 +106,7 @@ void ExpertCache::resolve_call(
     int64_t call, const UseRecord& use, bool defer) {
   CallRecord record{call};
   CallRecord* rec = log.recording() && call >= 0 ? &record : nullptr;
-  if (view_) {
+  if (fills_.on()) {
     settle_fills();
   }
   if (mapped()) {

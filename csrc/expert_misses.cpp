@@ -4,8 +4,6 @@
 #include "expert_cache.h"
 
 #include <exception>
-#include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -65,7 +63,7 @@ void ExpertCache::resolve_in_parallel(const uint32_t* experts, int64_t n,
     missed.push_back(e);
     slots.push_back(s);
   }, rec);
-  if (defer && view_) { // the kernel fills what it can read in place
+  if (defer && fills_.on()) { // the kernel fills what it can read in place
     size_t kept = 0;
     for (size_t i = 0; i < missed.size(); i++) {
       if (!fillable(missed[i])) {
@@ -73,10 +71,7 @@ void ExpertCache::resolve_in_parallel(const uint32_t* experts, int64_t n,
         slots[kept++] = slots[i];
         continue;
       }
-      {
-        std::lock_guard<std::mutex> lock(fills_mutex_);
-        fills_[slots[i]] = missed[i];
-      }
+      fills_.put(slots[i], missed[i]);
       counters.kernel_fills += 1;
       counters.bytes_read += record_nbytes; // through the mapping
       if (rec) {
@@ -107,31 +102,29 @@ void ExpertCache::resolve_in_parallel(const uint32_t* experts, int64_t n,
 void ExpertCache::fill_in_kernel(bool on) {
   if (!on) {
     settle_fills();
-    view_.reset();
+    fills_.unmap();
     return;
   }
   if (mapped() || tier_ || memory.on_gpu) {
     throw std::invalid_argument(
         "fill_in_kernel: only CPU slots without a host tier fill in the kernel");
   }
-  if (!view_) {
-    view_opens_ = reader_.reopens.load();
-    view_ = std::make_unique<MappedBlob>(reader_.blob, reader_.fd());
-    fills_.assign(capacity, -1);
+  if (!fills_.on()) {
+    fills_.map(reader_.blob, reader_.fd(), reader_.reopens.load(), capacity);
   }
 }
 
 bool ExpertCache::fillable(int expert) {
-  if (reader_.reopens.load() != view_opens_) { // no fill is pending now
-    view_opens_ = reader_.reopens.load();
-    view_ = std::make_unique<MappedBlob>(reader_.blob, reader_.fd());
+  if (reader_.reopens.load() != fills_.opens()) { // no fill is pending now
+    fills_.map(reader_.blob, reader_.fd(), reader_.reopens.load(), capacity);
   }
+  const MappedBlob& view = fills_.view();
   if (reader_.check.needed(expert) || reader_.failing(expert) ||
-      view_->absent_bytes(expert) != 0) {
+      view.absent_bytes(expert) != 0) {
     return false;
   }
   try { // map its pages in now: the kernel's reads never fault
-    view_->populate(expert, view_->record(expert), record_nbytes);
+    view.populate(expert, view.record(expert), record_nbytes);
   } catch (const std::exception&) {
     return false; // read as any miss, which says what failed
   }
@@ -139,33 +132,22 @@ bool ExpertCache::fillable(int expert) {
 }
 
 const uint8_t* ExpertCache::take_fill(int slot, int& expert) {
-  std::lock_guard<std::mutex> lock(fills_mutex_);
-  if (!view_ || slot < 0 || slot >= int(fills_.size()) || fills_[slot] < 0) {
-    return nullptr;
-  }
-  expert = fills_[slot];
-  fills_[slot] = -1;
-  return view_->record(expert);
+  return fills_.take(slot, expert);
 }
 
 void ExpertCache::settle_fills() {
-  std::vector<std::pair<int, int>> left; // (expert, slot)
-  {
-    std::lock_guard<std::mutex> lock(fills_mutex_);
-    for (size_t s = 0; s < fills_.size(); s++) {
-      if (fills_[s] >= 0) {
-        left.push_back({fills_[s], int(s)});
-        fills_[s] = -1;
-      }
-    }
+  if (!fills_.on()) {
+    return;
   }
-  for (auto [e, s] : left) {
+  const MappedBlob& view = fills_.view();
+  for (auto [e, s] : fills_.take_all()) {
     try {
-      view_->populate(e, view_->record(e), record_nbytes);
-      memory.fill_host(view_->record(e), s);
+      view.populate(e, view.record(e), record_nbytes);
+      memory.fill_host(view.record(e), s);
     } catch (const std::exception&) {
       table_.drop(e);
     }
+    filled(e);
   }
 }
 

@@ -106,4 +106,16 @@ void MappedBlob::unmap_pages() const {
   ::madvise(map_, map_len_, MADV_DONTNEED);
 }
 
+void MappedBlob::unmap_record(int expert) const {
+  // A fault maps pages around it too (the kernel's fault-around, 64 KB by
+  // default, aligned by address or by file offset as kernels differ): the
+  // record's pages and that much on either side.
+  constexpr int64_t kAround = 64 << 10;
+  int64_t begin = std::max<int64_t>(0, blob_.offset(expert) - kAround);
+  int64_t end = std::min<int64_t>(
+      map_len_, blob_.offset(expert) + blob_.record_nbytes + kAround);
+  begin = begin / kPage * kPage;
+  ::madvise(map_ + begin, end - begin, MADV_DONTNEED);
+}
+
 } // namespace moestream

@@ -36,6 +36,9 @@ class MappedBlob : public RecordSource {
   // Take the pages out of this process's page tables (the page cache keeps
   // them, until dropped: a cold benchmark's start).
   void unmap_pages() const;
+  // The same for one record's pages (a record copied out of the mapping no
+  // longer counts in this process's resident memory).
+  void unmap_record(int expert) const;
 
  private:
   // The whole pages of the mapping that hold a record.

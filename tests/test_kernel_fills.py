@@ -9,6 +9,7 @@ not yet checked, one with a failure) is read as before."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import mlx.core as mx
@@ -112,6 +113,35 @@ def test_kernel_fills_give_the_resident_models_logits(case, verify: bool):
     stats = moestream.stats(model)
     # Checked records are left to the kernel; unchecked ones are read first.
     assert 0 < stats.kernel_fills < stats.misses
+
+
+def mapped_kb(path: Path) -> int:
+    """This process's resident kB of mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split(" ", 1)[0]:
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_records_filled_in_the_kernel_leave_the_process(case):
+    """A record the kernel read in place is unmapped once its slot holds it:
+    the process's resident memory stays its slots', as when records are read."""
+    out, _ = case
+    if not load_manifest(out).blocked:
+        pytest.skip("row records are read, not mapped")
+    warm(out)
+    gc.collect()  # the models of the tests before, and their mappings
+    model, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
+    logits_stepwise(model, PROMPT, steps=STEPS)
+    assert moestream.stats(model).kernel_fills > 0
+    # What stays mapped is at most a few pages the kernel mapped around an
+    # access (its fault-around), never a record: filled records do not pile up.
+    for layer in load_manifest(out).layers:
+        resident = mapped_kb((out / layer.file).resolve()) * 1024
+        assert resident < layer.record_nbytes, (layer.layer, resident)
 
 
 def test_the_same_logits_with_the_kernel_fills_off(case):
