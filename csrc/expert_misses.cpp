@@ -126,7 +126,8 @@ bool ExpertCache::fillable(int expert) {
   try { // map its pages in now: the kernel's reads never fault
     view.populate(expert, view.record(expert), record_nbytes);
   } catch (const std::exception&) {
-    return false; // read as any miss, which says what failed
+    view.unmap_record(expert); // what it mapped before the failure
+    return false;              // read as any miss, which says what failed
   }
   return true;
 }
