@@ -346,3 +346,48 @@ def test_slots_row_major_where_mlx_reads_them(converted, options):
     model, _ = moestream.load(converted, cache_experts=3, **options)
     layers = _streaming(model).values()
     assert layers and not any(m.blocked for m in layers)
+
+
+def _scales(kind: str, s: mx.array) -> mx.array:
+    """Scales of unusual kinds: widened from bfloat16 (as converted models
+    hold them), float32, bfloat16 subnormals, bfloat16 ones whose products
+    pass float32's range (MLX's product is inf), and groups where one row's
+    scale is float32 and the others bfloat16."""
+    widened = s.astype(mx.bfloat16).astype(mx.float32)
+    if kind == "bfloat16":
+        return widened
+    if kind == "subnormal":
+        return (widened * 2.0**-140).astype(mx.bfloat16).astype(mx.float32)
+    if kind == "huge":
+        return (widened * 2.0**124).astype(mx.bfloat16).astype(mx.float32)
+    if kind == "one-row-float32":
+        return mx.concatenate([s[..., :1, :], widened[..., 1:, :]], axis=-2)
+    return s
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize(
+    "kind", ["float32", "bfloat16", "subnormal", "huge", "one-row-float32"]
+)
+def test_every_kind_of_scale_gives_mlxs_bits(bits, kind):
+    """Rows and panels, slots as MLX holds them and blocked, and the dense
+    matmul: MLX's bits (its NaNs where a product overflows) on every kind.
+    (A dequantization fused where the product is exact must keep this.)"""
+    mx.random.seed(bits)
+    glu = _switch(64, 96, 4, [(bits, 32)] * 3)
+    for p in (glu.gate_proj, glu.up_proj, glu.down_proj):
+        p.scales = _scales(kind, p.scales)
+        p.biases = p.biases.astype(mx.bfloat16).astype(mx.float32)
+    mx.eval(glu.parameters())
+    for tokens in (1, 9):
+        x = mx.random.normal((1, tokens, 64))
+        inds = mx.random.randint(0, 4, (1, tokens, 2)).astype(mx.uint32)
+        theirs = glu(x, inds)
+        for rows_blocked in (False, True):
+            ours = _kernel(glu, x, inds, 2, rows_blocked=rows_blocked)
+            assert mx.array_equal(ours, theirs, equal_nan=True).item()
+        q = glu.gate_proj
+        dense = (q.weight[0], q.scales[0], q.biases[0])
+        ours = native._native.quant_matmul(x, *dense, bits, 32)
+        theirs = mx.quantized_matmul(x, *dense, group_size=32, bits=bits)
+        assert mx.array_equal(ours, theirs, equal_nan=True).item()
