@@ -178,7 +178,7 @@ NB_MODULE(_native, m) {
           "Reader threads one record's read is split over (in pieces).")
       .def_prop_rw(
           "fill_in_kernel",
-          [](ExpertCache& c) { return c.fills_in_kernel(); },
+          [](ExpertCache& c) { return c.pending_fills().on(); },
           [](ExpertCache& c, bool on) { c.fill_in_kernel(on); },
           "CPU slots that only the kernel reads, given this cache as its "
           "`fills`: a miss whose record the page cache holds is filled by "

@@ -165,7 +165,7 @@ struct Matrix {
   int group_size;
   ScaleFormat format{ScaleFormat::F32};
   // The fused rows of this matrix where they are not its projection's
-  // (a record read in place among slots: ExpertFill).
+  // (a record read in place among slots: KernelFills).
   RowsFn rows_fn{nullptr};
   // A blocked slot the fused rows write as they read (blocked words, float32
   // scales and biases), or none: rows_blocked<bits, F, true>.
@@ -925,15 +925,19 @@ PanelFn panel_fn(int bits, ScaleFormat format = ScaleFormat::F32) {
   }
 }
 
-// One projection's kernels: the fused rows (a token or two) and the panel.
+// One projection's kernels: the fused rows (a token or two) and the panel;
+// a blocked matrix's also the rows that write a fill slot as they read
+// (rows_blocked<bits, F, true>; KernelFills).
 struct Kernels {
   RowsFn rows;
   PanelFn panel;
+  RowsFn fill{nullptr};
 };
 
 template <int bits, ScaleFormat F>
 Kernels blocked_kernels() {
-  return {rows_blocked<bits, F>, panel_block<bits, F, true>};
+  return {rows_blocked<bits, F>, panel_block<bits, F, true>,
+          rows_blocked<bits, F, true>};
 }
 
 template <ScaleFormat F>
@@ -947,28 +951,6 @@ Kernels blocked_kernels_of(int bits) {
     case 8: return blocked_kernels<8, F>();
   }
   throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
-}
-
-template <ScaleFormat F>
-RowsFn blocked_fill_of(int bits) {
-  switch (bits) {
-    case 2: return rows_blocked<2, F, true>;
-    case 3: return rows_blocked<3, F, true>;
-    case 4: return rows_blocked<4, F, true>;
-    case 5: return rows_blocked<5, F, true>;
-    case 6: return rows_blocked<6, F, true>;
-    case 8: return rows_blocked<8, F, true>;
-  }
-  throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
-}
-
-// The fused rows of a blocked matrix that write its fill slot as they read.
-RowsFn blocked_fill_fn(int bits, ScaleFormat format) {
-  switch (format) {
-    case ScaleFormat::BF16: return blocked_fill_of<ScaleFormat::BF16>(bits);
-    case ScaleFormat::F16: return blocked_fill_of<ScaleFormat::F16>(bits);
-    default: return blocked_fill_of<ScaleFormat::F32>(bits);
-  }
 }
 
 // The kernels of a row-major matrix, or of a blocked one.
@@ -1064,6 +1046,11 @@ int threads_or_all(int threads) {
 // arithmetic is the same whichever others run beside it.
 using MatFn = std::function<Matrix(int, int64_t)>;
 
+// The fused rows of `m`: its own where it names them, else its projection's.
+static RowsFn rows_of(const Matrix& m, const Kernels& fn) {
+  return m.rows_fn ? m.rows_fn : fn.rows;
+}
+
 static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
                       int64_t hidden, int64_t d_out, const MatFn& mat,
                       const Kernels (&fn)[3], float* y, int threads,
@@ -1083,8 +1070,8 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
     float* hp = h + i * hidden;
     float* gp = g + i * hidden;
     Matrix gate = mat(0, pair), up = mat(1, pair);
-    matvec(gate, gate.rows_fn ? gate.rows_fn : fn[0].rows, r0, r1, xt, gp);
-    matvec(up, up.rows_fn ? up.rows_fn : fn[1].rows, r0, r1, xt, hp);
+    matvec(gate, rows_of(gate, fn[0]), r0, r1, xt, gp);
+    matvec(up, rows_of(up, fn[1]), r0, r1, xt, hp);
     swiglu_n(gp + r0, hp + r0, hp + r0, r1 - r0);
   });
   int64_t db = (d_out + kTaskRows - 1) / kTaskRows;
@@ -1092,8 +1079,7 @@ static void run_pairs(const float* x, int64_t pairs, int64_t k, int64_t d_in,
     int64_t i = task / db, r0 = task % db * kTaskRows, pair = pair_at(i);
     int64_t r1 = std::min(d_out, r0 + kTaskRows);
     Matrix down = mat(2, pair);
-    matvec(down, down.rows_fn ? down.rows_fn : fn[2].rows, r0, r1, h + i * hidden,
-           y + pair * d_out);
+    matvec(down, rows_of(down, fn[2]), r0, r1, h + i * hidden, y + pair * d_out);
   });
 }
 
@@ -1223,24 +1209,26 @@ static bool record_format(Cast cast, ScaleFormat& format) {
 // read as any other.
 class KernelFills {
  public:
-  KernelFills(ExpertCache* cache, uint32_t slots)
-      : cache_(cache), record_(slots, nullptr), expert_(slots, -1),
-        copier_(slots, -1) {}
+  explicit KernelFills(ExpertCache* cache) : cache_(cache) {}
 
-  // Take the fills of the call's slots (`pairs` of them at `slot`) from
-  // the cache, if any; the kernel computes from `in` (ExpertMlp's inputs).
+  // Take the fills of the call's slots (`pairs` of them at `slot`, of
+  // `slots`) from the cache, if any: nothing to do where none is pending
+  // (every hit); the kernel computes from `in` (ExpertMlp's inputs).
   void take(const std::vector<mx::array>& in,
             const std::vector<QuantSpec>& specs, const uint32_t* slot,
-            int64_t pairs) {
-    if (!cache_) {
+            int64_t pairs, uint32_t slots) {
+    if (!cache_ || !cache_->pending_fills().pending()) {
       return;
     }
     ExpertCache* cache = cache_;
-    std::vector<int64_t> uses(record_.size(), 0);
+    record_.assign(slots, nullptr);
+    expert_.assign(slots, -1);
+    copier_.assign(slots, -1);
+    std::vector<int64_t> uses(slots, 0);
     for (int64_t p = 0; p < pairs; p++) {
       uint32_t s = slot[p];
       if (uses[s]++ == 0) {
-        record_[s] = cache->take_fill(int(s), expert_[s]);
+        record_[s] = cache->pending_fills().take(int(s), expert_[s]);
         if (record_[s]) {
           taken_.push_back(int(s));
           copier_[s] = p;
@@ -1337,9 +1325,8 @@ class KernelFills {
           !record_format(bi.cast, fb) || f != fb) {
         return false;
       }
-      proj_[p] = {w.offset, sc.offset, bi.offset, f, nullptr, nullptr};
-      proj_[p].rows = kernels(specs[p].bits, f, true).rows;
-      proj_[p].fill = blocked_fill_fn(specs[p].bits, f);
+      Kernels k = kernels(specs[p].bits, f, true);
+      proj_[p] = {w.offset, sc.offset, bi.offset, f, k.rows, k.fill};
     }
     return true;
   }
@@ -1373,8 +1360,8 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
                          kernels(specs[1].bits, f32, blocked),
                          kernels(specs[2].bits, f32, blocked)};
   std::vector<float> xt;
-  KernelFills fills(cache, slots);
-  fills.take(in, specs, slot, pairs);
+  KernelFills fills(cache);
+  fills.take(in, specs, slot, pairs, slots);
   auto mat = [&](int p, int64_t pair) {
     Matrix m = matrix(in[2 + 3 * p], in[3 + 3 * p], in[4 + 3 * p], specs[p],
                       slot[pair]);

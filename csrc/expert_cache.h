@@ -84,16 +84,15 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // `fills`): a fetch's miss whose record has been checked and lies whole in
   // the page cache is not read. Its slot waits for the kernel, which computes
   // the call's pairs of it from the blob's mapping and writes the slot as it
-  // reads (take_fill): one pass over the record instead of a read, a copy
-  // into the slot and a pass over the slot. A fill no kernel took is made
-  // when the layer's next call resolves.
+  // reads (pending_fills): one pass over the record instead of a read, a
+  // copy into the slot and a pass over the slot. A fill no kernel took is
+  // made when the layer's next call resolves.
   void fill_in_kernel(bool on);
-  bool fills_in_kernel() const {
-    return fills_.on();
+  // Whether it is on, and the slots that wait for their kernel: the kernel
+  // takes each one's mapped record (its pages mapped in) there.
+  PendingFills& pending_fills() {
+    return fills_;
   }
-  // The pending fill of `slot`, taken: its expert's mapped record (its pages
-  // mapped in), and `expert`; null where the slot waits for none.
-  const uint8_t* take_fill(int slot, int& expert);
   // A taken fill the kernel did not finish: its expert leaves the slot.
   void drop(int expert) {
     table_.drop(expert);

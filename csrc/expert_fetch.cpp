@@ -35,7 +35,7 @@ void ExpertFetch::eval_cpu(
     c.resolve_call(
         inds.data<uint32_t>(), n, tokens, out.data<uint32_t>(), call,
         [&](const uint8_t* record, int64_t, int s) { c.memory.fill_host(record, s); },
-        c.fills_in_kernel());
+        c.pending_fills().on());
     if (predicted && c.next()) {
       c.next()->hint(predicted->data<uint32_t>(), predicted->size());
     }

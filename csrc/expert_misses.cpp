@@ -132,10 +132,6 @@ bool ExpertCache::fillable(int expert) {
   return true;
 }
 
-const uint8_t* ExpertCache::take_fill(int slot, int& expert) {
-  return fills_.take(slot, expert);
-}
-
 void ExpertCache::settle_fills() {
   if (!fills_.on()) {
     return;

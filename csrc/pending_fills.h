@@ -3,6 +3,7 @@
 // expert whose record the slot waits for.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -20,6 +21,7 @@ class PendingFills {
     view_ = std::make_unique<MappedBlob>(blob, fd);
     opens_ = opens;
     fills_.assign(slots, -1);
+    pending_ = 0;
   }
   void unmap() {
     view_.reset();
@@ -35,7 +37,12 @@ class PendingFills {
   }
   void put(int slot, int expert) {
     std::lock_guard<std::mutex> lock(mutex_);
+    pending_ += fills_[slot] < 0;
     fills_[slot] = expert;
+  }
+  // Whether any slot waits for its record.
+  bool pending() const {
+    return pending_.load() > 0;
   }
   // The pending fill of `slot`, taken: its expert's mapped record (and
   // `expert`), or null.
@@ -45,6 +52,7 @@ class PendingFills {
       return nullptr;
     }
     expert = std::exchange(fills_[slot], -1);
+    pending_ -= 1;
     return view_->record(expert);
   }
   // Every pending fill, taken: (expert, slot).
@@ -56,6 +64,7 @@ class PendingFills {
         left.push_back({std::exchange(fills_[s], -1), int(s)});
       }
     }
+    pending_ = 0;
     return left;
   }
 
@@ -64,6 +73,7 @@ class PendingFills {
   int opens_{0};
   std::mutex mutex_;
   std::vector<int> fills_; // per slot: the expert it waits for, or -1
+  std::atomic<int> pending_{0}; // slots that wait
 };
 
 } // namespace moestream
