@@ -32,6 +32,7 @@ from helpers import (
 
 from moestream.cli import main as cli
 from moestream.cli.run import main as run_moe
+from moestream.converter.relayout import relayout
 from moestream.runtime import native
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -87,6 +88,28 @@ def test_mapped_seed_prints_mlx_lm_generate(models, mlx_lm_texts, family: str) -
     out, _ = models[family]
     texts = [run_moe_text(out, s, "--backend", "mapped") for s in SEEDS]
     assert texts == [mlx_lm_texts[family, s] for s in SEEDS]
+
+
+@pytest.mark.skipif(
+    not native.available() or not native.kernel_matches_mlx(),
+    reason="the native engine or its exact CPU kernel is not here",
+)
+def test_kernel_fills_seed_prints_mlx_lm_generate(
+    models, mlx_lm_texts, tmp_path: Path
+) -> None:
+    """Records stored blocked at two slots: the misses the CPU kernel fills
+    as it reads their records in place draw what mlx-lm does."""
+    family = "qwen3_moe"
+    blocked = tmp_path / "blocked"
+    relayout(models[family][0], blocked, "blocked", progress=False)
+    results = []
+    for s in SEEDS:
+        args = [str(blocked), *generate_args(s), "--json", "--cache-experts", "2"]
+        r = CliRunner().invoke(run_moe, args)
+        assert r.exit_code == 0, r.output
+        results.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert [r["text"] for r in results] == [mlx_lm_texts[family, s] for s in SEEDS]
+    assert all(r["stats"]["kernel_fills"] > 0 for r in results)
 
 
 @pytest.mark.device
