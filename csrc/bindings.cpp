@@ -275,11 +275,11 @@ NB_MODULE(_native, m) {
       "expert_mlp",
       [](const mlx::core::array& x, const mlx::core::array& inds,
          const std::vector<mlx::core::array>& weights,
-         const std::vector<std::tuple<int, int>>& specs, int threads,
+         const std::vector<std::tuple<int, int, bool>>& specs, int threads,
          bool blocked, std::shared_ptr<ExpertCache> fills) {
         std::vector<moestream::QuantSpec> s;
-        for (auto& [bits, group_size] : specs) {
-          s.push_back({bits, group_size});
+        for (auto& [bits, group_size, fma] : specs) {
+          s.push_back({bits, group_size, fma});
         }
         return moestream::expert_mlp(x, inds, weights, s, threads, blocked,
                                      std::move(fills));
@@ -288,7 +288,9 @@ NB_MODULE(_native, m) {
       "blocked"_a = false, "fills"_a = nb::none(),
       "SwitchGLU with SwiGLU over slot arrays, bit for bit MLX's CPU ops; "
       "`weights` gate, up, down (weight, scales, biases), `specs` their "
-      "(bits, group_size); `threads` 0 uses every core; `blocked`: the "
+      "(bits, group_size, fma): fma where every scale * q is exact in "
+      "float32 (the blocked kernels then dequantize with one fused "
+      "multiply-add); `threads` 0 uses every core; `blocked`: the "
       "slots hold each projection kernel_block() rows at a time; `fills`: "
       "the slots' cache, whose slots left waiting by its fetch "
       "(fill_in_kernel) the call fills as it reads their records.");
@@ -297,6 +299,9 @@ NB_MODULE(_native, m) {
   m.attr("staging_records") = moestream::kStagingRecords;
   m.def("kernel_block", &moestream::kernel_block,
         "The rows of one block of the blocked layout (slots and records): 16.");
+  m.def("kernel_fma", &moestream::kernel_fma,
+        "Whether the blocked kernels dequantize with one fused multiply-add "
+        "where a spec allows it (this CPU has vector FMA).");
   m.def("set_pool_spin", &moestream::set_pool_spin, "micros"_a,
         "How long the CPU kernel's idle threads wait awake (pausing) before "
         "they sleep; 0: they sleep at once. One pool per process.");
@@ -305,19 +310,20 @@ NB_MODULE(_native, m) {
       [](const mlx::core::array& x, const mlx::core::array& experts,
          std::shared_ptr<ExpertCache> cache,
          const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t,
-                                      int64_t, int64_t, int, int, int, bool>>&
-             proj,
+                                      int64_t, int64_t, int, int, int, bool,
+                                      bool>>& proj,
          int threads) {
         std::vector<moestream::MappedProjection> p;
         for (auto& [w, s, b, rows, row_bytes, groups, format, bits, gs,
-                    blocked] : proj) {
+                    blocked, fma] : proj) {
           if (format < 0 || format > 2) {
             throw std::invalid_argument(
                 "moestream kernel: scale format must be 0 (float32), 1 "
                 "(bfloat16) or 2 (float16)");
           }
           p.push_back({w, s, b, rows, row_bytes, groups,
-                       moestream::ScaleFormat(format), {bits, gs}, blocked});
+                       moestream::ScaleFormat(format), {bits, gs, fma},
+                       blocked});
         }
         return moestream::expert_mlp_mapped(x, experts, std::move(cache), p,
                                             threads);
@@ -326,7 +332,7 @@ NB_MODULE(_native, m) {
       "expert_mlp on the records of a mapped cache, read in place: "
       "`experts` routed expert ids (its fetch's), `projections` gate, up, "
       "down as (weight, scales, biases offsets in the record, rows, "
-      "row_bytes, groups, scale format, bits, group_size, blocked).");
+      "row_bytes, groups, scale format, bits, group_size, blocked, fma).");
   m.def(
       "quant_matmul",
       [](const mlx::core::array& x, const mlx::core::array& w,

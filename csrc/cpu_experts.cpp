@@ -151,7 +151,7 @@ Pool& pool() {
 // kernel reads a record in place (ExpertMlpMapped: each value widened exactly,
 // as the slot's cast would have written it). A blocked matrix (blocked
 // slots, or a record converted with --layout blocked; read by the blocked
-// kernels, kernels(bits, format, true)) holds its rows kBlock at a time:
+// kernels, kernels(spec, format, true)) holds its rows kBlock at a time:
 // word w of row r at ((r / kBlock) * words + w) * kBlock + r % kBlock, scale
 // or bias g at ((r / kBlock) * groups + g) * kBlock + r % kBlock.
 struct Matrix;
@@ -233,10 +233,22 @@ inline VF to_float(VU q) {
   return __builtin_convertvector(VI(q & mask), VF);
 }
 
+// scale * q + bias in every lane: MLX's multiply and add, or (`Fma`, where
+// every product is exact: QuantSpec::fma) one fused multiply-add, the same
+// float with one rounding fewer to compute.
+template <bool Fma>
+inline VF dequant(VF q, VF scale, VF bias) {
+  if constexpr (Fma) {
+    return fma_lanes(q, scale, bias);
+  } else {
+    return q * scale + bias;
+  }
+}
+
 // Value I of a 32-value chunk in every lane, dequantized, times x, added.
-template <int bits, int I>
+template <int bits, int I, bool Fma = false>
 inline VF step(VF acc, const VU* w, VF scale, VF bias, float x) {
-  VF d = to_float<bits>(unpack<bits, I>(w)) * scale + bias;
+  VF d = dequant<Fma>(to_float<bits>(unpack<bits, I>(w)), scale, bias);
   acc = acc + x * d;
   if constexpr (kLookup<bits>) {
     // The steps in program order: else the compiler hoists a chunk's
@@ -516,7 +528,7 @@ inline int64_t block_at(int64_t r, int64_t cols) {
 // read. A vector past the last row reads the last rows and is not stored.
 // `Fill`: every word, scale and bias read is also written, as float32, at
 // its place in m's fill slot (which then holds these rows as a slot would).
-template <int bits, ScaleFormat F, bool Fill = false>
+template <int bits, ScaleFormat F, bool Fill = false, bool Fma = false>
 void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
   constexpr int64_t size = scale_size<F>();
   const int64_t words = m.row_bytes / 4, chunks = m.cols / 32;
@@ -584,8 +596,8 @@ void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
     }
     const float* xc = x + c * 32;
     [&]<int... I>(std::integer_sequence<int, I...>) {
-      ((acc0 = step<bits, I>(acc0, w0v, s0, b0, xc[I]),
-        acc1 = step<bits, I>(acc1, w1v, s1, b1, xc[I])),
+      ((acc0 = step<bits, I, Fma>(acc0, w0v, s0, b0, xc[I]),
+        acc1 = step<bits, I, Fma>(acc1, w1v, s1, b1, xc[I])),
        ...);
     }(std::make_integer_sequence<int, 32>{});
   }
@@ -803,7 +815,7 @@ void dequant_chunk(const Matrix& m, int64_t r0, int64_t k0, int kc, float* dq) {
 // dequant_chunk on a blocked matrix: each vector's words and a group's
 // scales and biases loaded as stored. The words kPrefetchChunks chunks ahead
 // are asked for.
-template <int bits, ScaleFormat F>
+template <int bits, ScaleFormat F, bool Fma = false>
 void dequant_blocked(const Matrix& m, int64_t r0, int64_t k0, int kc,
                      float* dq) {
   constexpr int64_t size = scale_size<F>();
@@ -835,8 +847,7 @@ void dequant_blocked(const Matrix& m, int64_t r0, int64_t k0, int kc,
       float* out = dq + (k - k0) * kPanel + v * kLanes;
       [&]<int... I>(std::integer_sequence<int, I...>) {
         ((*reinterpret_cast<VF*>(out + I * kPanel) =
-              to_float<bits>(unpack<bits, I>(wv)) * s +
-              b),
+              dequant<Fma>(to_float<bits>(unpack<bits, I>(wv)), s, b)),
          ...);
       }(std::make_integer_sequence<int, 32>{});
     }
@@ -875,15 +886,15 @@ void panel_tile(const float* dq, int kc, const float* const* xs, int64_t k0,
 }
 
 // acc[t][j] = row r0 + j of m @ x_t for n tokens (acc zeroed: n * kPanel);
-// `Blocked`: m is a blocked matrix.
-template <int bits, ScaleFormat F, bool Blocked = false>
+// `Blocked`: m is a blocked matrix; `Fma`: dequantized as step's.
+template <int bits, ScaleFormat F, bool Blocked = false, bool Fma = false>
 void panel_block(const Matrix& m, int64_t r0, int n, const float* const* xs,
                  float* acc) {
   alignas(64) float dq[kChunk * kPanel];
   for (int64_t k0 = 0; k0 < m.cols; k0 += kChunk) {
     int kc = int(std::min<int64_t>(kChunk, m.cols - k0));
     if constexpr (Blocked) {
-      dequant_blocked<bits, F>(m, r0, k0, kc, dq);
+      dequant_blocked<bits, F, Fma>(m, r0, k0, kc, dq);
     } else {
       dequant_chunk<bits, F>(m, r0, k0, kc, dq);
     }
@@ -934,36 +945,43 @@ struct Kernels {
   RowsFn fill{nullptr};
 };
 
-template <int bits, ScaleFormat F>
+template <int bits, ScaleFormat F, bool Fma>
 Kernels blocked_kernels() {
-  return {rows_blocked<bits, F>, panel_block<bits, F, true>,
-          rows_blocked<bits, F, true>};
+  return {rows_blocked<bits, F, false, Fma>, panel_block<bits, F, true, Fma>,
+          rows_blocked<bits, F, true, Fma>};
 }
 
-template <ScaleFormat F>
+template <ScaleFormat F, bool Fma>
 Kernels blocked_kernels_of(int bits) {
   switch (bits) {
-    case 2: return blocked_kernels<2, F>();
-    case 3: return blocked_kernels<3, F>();
-    case 4: return blocked_kernels<4, F>();
-    case 5: return blocked_kernels<5, F>();
-    case 6: return blocked_kernels<6, F>();
-    case 8: return blocked_kernels<8, F>();
+    case 2: return blocked_kernels<2, F, Fma>();
+    case 3: return blocked_kernels<3, F, Fma>();
+    case 4: return blocked_kernels<4, F, Fma>();
+    case 5: return blocked_kernels<5, F, Fma>();
+    case 6: return blocked_kernels<6, F, Fma>();
+    case 8: return blocked_kernels<8, F, Fma>();
   }
   throw std::invalid_argument("moestream kernel: bits must be 2, 3, 4, 5, 6 or 8");
 }
 
-// The kernels of a row-major matrix, or of a blocked one.
-Kernels kernels(int bits, ScaleFormat format = ScaleFormat::F32,
+template <bool Fma>
+Kernels blocked_kernels_in(int bits, ScaleFormat format) {
+  switch (format) {
+    case ScaleFormat::BF16: return blocked_kernels_of<ScaleFormat::BF16, Fma>(bits);
+    case ScaleFormat::F16: return blocked_kernels_of<ScaleFormat::F16, Fma>(bits);
+    default: return blocked_kernels_of<ScaleFormat::F32, Fma>(bits);
+  }
+}
+
+// The kernels of a row-major matrix, or of a blocked one (dequantizing with
+// one fused multiply-add where `spec` allows it and the CPU has it).
+Kernels kernels(QuantSpec spec, ScaleFormat format = ScaleFormat::F32,
                 bool blocked = false) {
   if (!blocked) {
-    return {rows_fn(bits, format), panel_fn(bits, format)};
+    return {rows_fn(spec.bits, format), panel_fn(spec.bits, format)};
   }
-  switch (format) {
-    case ScaleFormat::BF16: return blocked_kernels_of<ScaleFormat::BF16>(bits);
-    case ScaleFormat::F16: return blocked_kernels_of<ScaleFormat::F16>(bits);
-    default: return blocked_kernels_of<ScaleFormat::F32>(bits);
-  }
+  return spec.fma && kVectorFma ? blocked_kernels_in<true>(spec.bits, format)
+                                : blocked_kernels_in<false>(spec.bits, format);
 }
 
 } // namespace
@@ -974,6 +992,10 @@ int kernel_lanes() {
 
 int kernel_block() {
   return kBlock;
+}
+
+bool kernel_fma() {
+  return kVectorFma;
 }
 
 // Rows [r0, r0 + kBlock) between row-major (`rows`, row r at + r * cols)
@@ -1325,7 +1347,7 @@ class KernelFills {
           !record_format(bi.cast, fb) || f != fb) {
         return false;
       }
-      Kernels k = kernels(specs[p].bits, f, true);
+      Kernels k = kernels(specs[p], f, true);
       proj_[p] = {w.offset, sc.offset, bi.offset, f, k.rows, k.fill};
     }
     return true;
@@ -1356,9 +1378,9 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
     }
   }
   const auto f32 = ScaleFormat::F32;
-  const Kernels fn[3] = {kernels(specs[0].bits, f32, blocked),
-                         kernels(specs[1].bits, f32, blocked),
-                         kernels(specs[2].bits, f32, blocked)};
+  const Kernels fn[3] = {kernels(specs[0], f32, blocked),
+                         kernels(specs[1], f32, blocked),
+                         kernels(specs[2], f32, blocked)};
   std::vector<float> xt;
   KernelFills fills(cache);
   fills.take(in, specs, slot, pairs, slots);
@@ -1392,9 +1414,9 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
     }
   }
   const Kernels fn[3] = {
-      kernels(proj[0].spec.bits, proj[0].format, proj[0].blocked),
-      kernels(proj[1].spec.bits, proj[1].format, proj[1].blocked),
-      kernels(proj[2].spec.bits, proj[2].format, proj[2].blocked)};
+      kernels(proj[0].spec, proj[0].format, proj[0].blocked),
+      kernels(proj[1].spec, proj[1].format, proj[1].blocked),
+      kernels(proj[2].spec, proj[2].format, proj[2].blocked)};
   auto mat = [&](int p, int64_t pair) {
         const MappedProjection& q = proj[p];
         const uint8_t* record = cache.mapped_record(int(expert[pair]));
@@ -1460,7 +1482,7 @@ void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
 static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
                              QuantSpec spec, int threads) {
   Matrix m = matrix(in[1], in[2], in[3], spec, 0);
-  Kernels fn = kernels(spec.bits);
+  Kernels fn = kernels(spec); // row-major: QuantSpec::fma has no say
   int64_t tokens = in[0].size() / m.cols;
   std::vector<float> xt;
   const float* x = row_major(in[0], xt);

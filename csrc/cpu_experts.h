@@ -25,8 +25,13 @@ namespace moestream {
 
 // One affine-quantized projection: `[E, out, in * bits / 32]` uint32 weights
 // with float32 scales and biases `[E, out, in / group_size]`.
+// `fma`: every scale of the matrix makes scale * q exact in float32 for
+// q < 2^bits (the runtime tells from the converter's record of the largest
+// scale), so one fused multiply-add gives the float MLX's multiply and add
+// give; the blocked kernels then dequantize so (where kernel_fma()).
 struct QuantSpec {
   int bits, group_size;
+  bool fma{false};
   bool operator==(const QuantSpec&) const = default;
 };
 
@@ -149,6 +154,9 @@ int kernel_lanes();
 
 // The rows of one block of the blocked layout: 16 on every CPU.
 int kernel_block();
+// Whether the blocked kernels dequantize with one fused multiply-add where a
+// spec allows it (QuantSpec::fma): a CPU with vector FMA.
+bool kernel_fma();
 
 // `rows` rows of `cols` 4-byte words at `src` (row r at src + r * cols * 4)
 // into `dst` blocked, as blocked slots and records hold them: word c of row

@@ -73,6 +73,13 @@ inline VF floor_lanes(VF x) {
 #endif
 }
 
+// Whether fma_lanes is one instruction (else a library call a lane).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr bool kVectorFma = true;
+#else
+constexpr bool kVectorFma = false;
+#endif
+
 // a * b + c with one rounding, as std::fma.
 inline VF fma_lanes(VF a, VF b, VF c) {
 #if defined(__AVX512F__)

@@ -6,7 +6,9 @@ builds of the extension compared side by side.
         [--variants A.so,B.so] [--mlx] [--from-memory] [--blocked]
 
 64 experts of 512 x 1024 (gate, up) and 1024 x 512 (down), 4-bit, group 64,
-top-8 of random routing; and a 2048 x 1024 QuantizedLinear. Each round runs
+scales and biases widened from bfloat16, top-8 of random routing; and a
+2048 x 1024 QuantizedLinear. With `--blocked`, the expert call also with
+the fused dequantization (`experts fused`). Each round runs
 every build in a fresh process, in turn (so a change in the machine's load
 hits all alike); the table gives each build's median over the rounds of its
 per-call medians. `--variants` names built modules (.so) to load instead
@@ -67,6 +69,11 @@ def child(
     nn.quantize(glu, group_size=64, bits=4)
     linear = nn.QuantizedLinear(d, 2048, bias=False, group_size=64, bits=4)
     projections = (glu.gate_proj, glu.up_proj, glu.down_proj)
+    # Scales and biases widened from bfloat16, as slots filled from records
+    # stored so hold them: the fused dequantization is exact on them.
+    for p in projections:
+        for name in ("scales", "biases"):
+            p[name] = p[name].astype(mx.bfloat16).astype(mx.float32)
     weights = [a for p in projections for a in (p.weight, p.scales, p.biases)]
     if blocked:  # the experts as blocked slots hold them
         weights = native.blocked_arrays(weights)
@@ -86,12 +93,21 @@ def child(
                 x,
                 turns[next(count) % len(turns)],
                 weights,
-                [(4, 64)] * 3,
+                [(4, 64, False)] * 3,
                 threads,
                 blocked,
             ),
             "matmul": lambda: ext.quant_matmul(x, w, s, b, 4, 64, threads),
         }
+        if blocked:  # the same with the fused dequantization (QuantSpec.fma)
+            ops["experts fused"] = lambda: ext.expert_mlp(
+                x,
+                turns[next(count) % len(turns)],
+                weights,
+                [(4, 64, True)] * 3,
+                threads,
+                blocked,
+            )
         if mlx and not blocked:
             ops["MLX experts"] = lambda: glu(x, inds)
             ops["MLX matmul"] = lambda: linear(x)

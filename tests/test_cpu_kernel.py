@@ -6,6 +6,7 @@ resident model, its slots blocked where the kernel computes every call."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 import moestream
 from moestream.formats import BLOCK_ROWS, blocked, unblocked
+from moestream.formats.manifest import Segment
 from moestream.runtime import Tuning, native
 from moestream.runtime.switch import StreamingSwitchGLU
 
@@ -45,14 +47,15 @@ def _kernel(
     inds: mx.array,
     threads: int = 0,
     rows_blocked: bool = False,
+    fma: bool = False,
 ):
     """The kernel on `glu`'s weights; `rows_blocked`: blocked first, as blocked
-    slots hold them."""
+    slots hold them; `fma`: every spec allows the fused dequantization."""
     projections = [glu.gate_proj, glu.up_proj, glu.down_proj]
     weights = [a for p in projections for a in (p.weight, p.scales, p.biases)]
     if rows_blocked:
         weights = native.blocked_arrays(weights)
-    specs = [(p.bits, p.group_size) for p in projections]
+    specs = [(p.bits, p.group_size, fma) for p in projections]
     return native._native.expert_mlp(
         x, inds, weights, specs, threads, blocked=rows_blocked
     )
@@ -152,7 +155,7 @@ def test_blocked_mixed_bits_equal_switch_glu(tokens):
         x,
         inds,
         [a for n in ("gate_proj", "up_proj", "down_proj") for a in _arrays(glu[n])],
-        [(4, 64), (3, 32), (6, 32)],
+        [(4, 64, False), (3, 32, False), (6, 32, False)],
         1,
         blocked=True,
     )
@@ -172,7 +175,7 @@ def test_blocked_rows_must_fill_blocks():
     lanes = native.kernel_block()
     assert 36 % lanes
     with pytest.raises(ValueError, match=f"multiples of {lanes}"):
-        native._native.expert_mlp(x, inds, w, [(4, 32)] * 3, 1, blocked=True)
+        native._native.expert_mlp(x, inds, w, [(4, 32, False)] * 3, 1, blocked=True)
 
 
 def test_blocked_kernel_never_falls_back_to_mlx():
@@ -379,6 +382,17 @@ def test_every_kind_of_scale_gives_mlxs_bits(bits, kind):
         p.scales = _scales(kind, p.scales)
         p.biases = p.biases.astype(mx.bfloat16).astype(mx.float32)
     mx.eval(glu.parameters())
+    largest = max(
+        mx.abs(p.scales).max().item()
+        for p in (glu.gate_proj, glu.up_proj, glu.down_proj)
+    )
+    stored = "float32" if "float32" in kind else "bfloat16"
+    seg = Segment("gate_proj.scales", stored, (1,), 0, 4, max_abs=largest)
+    allowed = native.exact_fma(seg, bits) if math.isfinite(largest) else False
+    if kind != "huge":  # (fused at few bits, where no product overflows)
+        assert allowed == (
+            kind in ("bfloat16", "subnormal") and native.fma_matches_mlx()
+        )
     for tokens in (1, 9):
         x = mx.random.normal((1, tokens, 64))
         inds = mx.random.randint(0, 4, (1, tokens, 2)).astype(mx.uint32)
@@ -386,6 +400,13 @@ def test_every_kind_of_scale_gives_mlxs_bits(bits, kind):
         for rows_blocked in (False, True):
             ours = _kernel(glu, x, inds, 2, rows_blocked=rows_blocked)
             assert mx.array_equal(ours, theirs, equal_nan=True).item()
+        # Blocked, fused where the rule allows (as records stored with these
+        # scales would say); fused against the rule, float32 scales differ.
+        fused = _kernel(glu, x, inds, 2, rows_blocked=True, fma=allowed)
+        assert mx.array_equal(fused, theirs, equal_nan=True).item()
+        if kind == "float32" and native.fma_matches_mlx():
+            wrong = _kernel(glu, x, inds, 2, rows_blocked=True, fma=True)
+            assert not mx.array_equal(wrong, theirs, equal_nan=True).item()
         q = glu.gate_proj
         dense = (q.weight[0], q.scales[0], q.biases[0])
         ours = native._native.quant_matmul(x, *dense, bits, 32)

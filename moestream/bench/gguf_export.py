@@ -30,6 +30,7 @@ import numpy as np
 
 from ..formats import load_manifest, unblocked
 from ..formats.blob import NUMPY_DTYPES
+from ..formats.dtypes import bf16_to_f32
 from ..formats.manifest import inside
 
 QUANTS = ("q4_1", "q4_0")
@@ -84,10 +85,6 @@ class Tensor:
 
     def array(self) -> np.ndarray:
         return self.data() if callable(self.data) else self.data
-
-
-def bf16_to_f32(words: np.ndarray) -> np.ndarray:
-    return (words.astype(np.uint32) << 16).view(np.float32)
 
 
 def q4_1_blocks(

@@ -47,8 +47,8 @@ from ..formats import (
     layer_layout,
     pack_record,
 )
-from ..formats.dtypes import DTYPE_NAMES, FLOAT_DTYPES
-from ..formats.manifest import PAGE_SIZE, inside
+from ..formats.dtypes import DTYPE_NAMES, FLOAT_DTYPES, max_abs
+from ..formats.manifest import PAGE_SIZE, inside, with_max_abs
 from ..units import count, human_bytes, peak_rss
 from .hfconfig import rope_notes
 from .layouts import Layout, detect
@@ -614,8 +614,9 @@ def _write_layer(
     )
     if c.blocked:
         entry = blocked_layout(entry)
-    segments, record_nbytes = entry.segments, entry.record_nbytes
     arrays = {name: _to_numpy(a) for name, a in experts.items()}
+    entry = with_max_abs(entry, lambda s: max_abs(arrays[s.name], s.dtype))
+    segments, record_nbytes = entry.segments, entry.record_nbytes
     records = (
         pack_record(segments, record_nbytes, {n: a[e] for n, a in arrays.items()})
         for e in range(num_experts)

@@ -26,7 +26,8 @@ from ..formats import (
     checksum,
     load_manifest,
 )
-from ..formats.manifest import MANIFEST_NAME, ROWS, inside
+from ..formats.dtypes import FLOAT_DTYPES, max_abs
+from ..formats.manifest import MANIFEST_NAME, ROWS, inside, with_max_abs
 from ..formats.verify import check_files
 from ..units import human_bytes
 
@@ -53,8 +54,12 @@ def relayout(source: Path, out: Path, layout: str, progress: bool = True) -> Man
         writer.copy_dense(inside(source, f) for f in manifest.dense_files)
         for i, layer in enumerate(manifest.layers):
             entry = new_entry(layer, layout)
+            maxima: dict[str, float | None] = {}
             with BlobReader(inside(source, layer.file), layer) as reader:
-                writer.add_layer(entry, _records(reader, layer, entry))
+                records = _records(reader, layer, entry, maxima)
+                written = writer.add_layer(entry, records)
+            # Read from the records, as the converter records it.
+            writer.layers[-1] = with_max_abs(written, lambda s, m=maxima: m[s.name])
             if progress:
                 log.info("layer %d of %d rewritten", i + 1, len(manifest.layers))
         writer.close_tensors()
@@ -94,9 +99,13 @@ def new_entry(layer: ExpertLayer, layout: str) -> ExpertLayer:
 
 
 def _records(
-    reader: BlobReader, layer: ExpertLayer, entry: ExpertLayer
+    reader: BlobReader,
+    layer: ExpertLayer,
+    entry: ExpertLayer,
+    maxima: dict[str, float | None],
 ) -> Iterator[bytes]:
-    """Each record of `layer` checked, then its segments in `entry`'s layout."""
+    """Each record of `layer` checked, then its segments in `entry`'s layout;
+    `maxima` gathers each segment's largest |value| (Segment.max_abs)."""
     for e in range(layer.num_experts):
         record = reader.record(e)
         if checksum(record) != layer.checksums[e]:
@@ -107,6 +116,9 @@ def _records(
         out = bytearray(record)
         for old, seg in zip(layer.segments, entry.segments, strict=True):
             values = reader.segment(record, old)  # rows, whatever it was stored as
+            if old.dtype in FLOAT_DTYPES:
+                m, seen = max_abs(values, old.dtype), maxima.get(old.name, 0.0)
+                maxima[old.name] = None if m is None or seen is None else max(m, seen)
             data = blocked(values) if seg.blocked else values
             out[seg.offset : seg.offset + seg.nbytes] = data.tobytes()
         yield bytes(out)

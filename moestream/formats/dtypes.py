@@ -32,3 +32,17 @@ DTYPES: dict[str, StoredDtype] = {
 DTYPE_NAMES: dict[mx.Dtype, str] = {d.mx: d.name for d in DTYPES.values()}
 # The floating dtypes a model can be converted to or run in.
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def bf16_to_f32(words: np.ndarray) -> np.ndarray:
+    """bfloat16 carried as raw 16-bit words, widened to float32 exactly."""
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+def max_abs(values: np.ndarray, dtype: str) -> float | None:
+    """The largest |value| of stored float `values` (bfloat16 as raw words),
+    exactly: Segment.max_abs. None where a value is not finite."""
+    v = bf16_to_f32(values) if dtype == "bfloat16" else values.astype(np.float32)
+    if not np.isfinite(v).all():
+        return None
+    return float(np.abs(v).max()) if v.size else 0.0

@@ -10,12 +10,13 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..units import count
-from .dtypes import DTYPES
+from .dtypes import DTYPES, FLOAT_DTYPES
 from .layout import BLOCK_ROWS
 from .recipe import MODES, Recipe, RecipeError
 
@@ -65,6 +66,11 @@ class Segment:
     group_size: int | None = None
     mode: str | None = None
     layout: str = ROWS  # or BLOCKED (format v2): how a 2-D segment's bytes run
+    # The largest |value| of a float segment over the layer's experts, where
+    # the converter recorded it (scales): the CPU kernel tells from it
+    # whether a dequantization may run as one fused multiply-add. Absent in
+    # older output, which reads as before; older readers ignore it.
+    max_abs: float | None = None
 
     @property
     def projection(self) -> str:
@@ -147,11 +153,14 @@ class Manifest:
 
 def layer_to_dict(layer: ExpertLayer) -> dict[str, Any]:
     """One `layers` entry of manifest.json: a segment's "layout" is written
-    only where it is blocked, so row-major output stays format v1's."""
+    only where it is blocked, so row-major output stays format v1's, and
+    "max_abs" only where it is known."""
     d = asdict(layer)
     for s in d["segments"]:
         if s["layout"] == ROWS:
             del s["layout"]
+        if s["max_abs"] is None:
+            del s["max_abs"]
     return d
 
 
@@ -178,6 +187,21 @@ def blocked_layout(layer: ExpertLayer) -> ExpertLayer:
         for s in layer.segments
     )
     return replace(layer, segments=segments)
+
+
+def with_max_abs(
+    layer: ExpertLayer, of: Callable[[Segment], float | None]
+) -> ExpertLayer:
+    """`layer` with each float `scales` segment's max_abs set to `of(segment)`."""
+    return replace(
+        layer,
+        segments=tuple(
+            replace(s, max_abs=of(s))
+            if s.name.endswith(".scales") and s.dtype in FLOAT_DTYPES
+            else s
+            for s in layer.segments
+        ),
+    )
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -359,6 +383,14 @@ def _opt_int(v: Any) -> int | None:
     return None if v is None else _int(v)
 
 
+def _opt_float(v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise FormatError(f"Expected a number in manifest.json, got {v!r:.80}.")
+    return float(v)
+
+
 def _segment(s: dict[str, Any], layouts: bool) -> Segment:
     if "layout" in s and not layouts:
         raise FormatError(
@@ -375,6 +407,7 @@ def _segment(s: dict[str, Any], layouts: bool) -> Segment:
         group_size=_opt_int(s.get("group_size")),
         mode=None if s.get("mode") is None else _str(s["mode"]),
         layout=_str(s.get("layout", ROWS)),
+        max_abs=_opt_float(s.get("max_abs")),
     )
 
 
@@ -481,6 +514,11 @@ def _validate_segment(s: Segment, where: str) -> None:
         )
     if any(d <= 0 for d in s.shape) or len(s.shape) > 4:
         raise FormatError(f"{where}: segment {s.name} has bad shape {s.shape}.")
+    if s.max_abs is not None and not 0 <= s.max_abs < math.inf:
+        raise FormatError(
+            f"{where}: segment {s.name} has max_abs {s.max_abs!r}, not a finite "
+            "magnitude; convert again."
+        )
     if math.prod(s.shape) * DTYPE_SIZES[s.dtype] != s.nbytes:
         raise FormatError(
             f"{where}: segment {s.name} shape {s.shape} ({s.dtype}) "

@@ -281,7 +281,7 @@ def kernel_matches_mlx() -> bool:
             for p in range(3):
                 w = mx.random.normal((2, 64, 64), key=mx.random.key(10 * bits + p))
                 weights += mx.quantize(w, 32, bits)
-            specs = [(bits, 32)] * 3
+            specs = [(bits, 32, False)] * 3
             theirs = _reference_mlp(x, inds, weights, bits)
             yield _native.expert_mlp(x, inds, weights, specs, 1), theirs
             rows = blocked_arrays(weights)
@@ -293,6 +293,62 @@ def kernel_matches_mlx() -> bool:
             )
 
     return agrees_with_mlx("CPU kernel", pairs())
+
+
+# float32's largest finite value.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def exact_fma(scales: Segment | None, bits: int) -> bool:
+    """Whether every scale of a projection (its `scales` segment) times any q
+    < 2**bits is exact in float32, so that the kernel may dequantize with one
+    fused multiply-add (QuantSpec.fma): the same float as MLX's multiply and
+    add. A scale stored as bfloat16 or float16 has at most 11 significant
+    bits, so its product with q has at most 19 of float32's 24; only a
+    product past float32's range could round, which the converter's record
+    of the largest scale (Segment.max_abs) rules out. Older output has no
+    such record: never fused."""
+    return (
+        scales is not None
+        and scales.dtype in ("bfloat16", "float16")
+        and scales.max_abs is not None
+        and scales.max_abs * (2**bits - 1) <= _FLOAT32_MAX
+        and fma_matches_mlx()
+    )
+
+
+@functools.cache
+def fma_matches_mlx() -> bool:
+    """Whether the blocked kernels' fused dequantization computes what this
+    MLX computes, bit for bit, on scales and biases stored as bfloat16 (down
+    to subnormal scales, up to the largest an 8-bit product allows), decode's
+    rows and prefill's panels, every bit width (checked once, as
+    kernel_matches_mlx; False where this CPU has no vector FMA)."""
+    if not (_native.kernel_fma() and kernel_matches_mlx()):
+        return False
+    x = mx.random.normal((8, 1, 1, 64), key=mx.random.key(2))
+    inds = mx.array([[1]] * 7 + [[0]], mx.uint32)
+    # Gate's and up's scales times these: subnormal ones, and ones whose
+    # 8-bit products come near float32's largest; the outputs stay finite.
+    factors = [(2.0**-140, 2.0**100), (2.0**100, 1e-3)]
+
+    def bf16(a: mx.array) -> mx.array:
+        return a.astype(mx.bfloat16).astype(mx.float32)
+
+    def pairs() -> Iterator[tuple[mx.array, mx.array]]:
+        for bits in (2, 3, 4, 5, 6, 8):
+            weights = []
+            for p in range(3):
+                key = mx.random.key(100 + 10 * bits + p)
+                w, s, b = mx.quantize(mx.random.normal((2, 64, 64), key=key), 32, bits)
+                factor = factors[bits % 2][p] if p < 2 else 1.0
+                weights += [w, bf16(s * factor), bf16(b)]
+            theirs = _reference_mlp(x, inds, weights, bits)
+            specs = [(bits, 32, True)] * 3
+            rows = blocked_arrays(weights)
+            yield _native.expert_mlp(x, inds, rows, specs, 1, blocked=True), theirs
+
+    return agrees_with_mlx("CPU kernel's fused dequantization", pairs())
 
 
 def _reference_mlp(x: mx.array, inds: mx.array, w: list, bits: int) -> mx.array:
@@ -319,10 +375,22 @@ class ExpertKernel:
     as it reads their records in place (ExpertCache.fill_in_kernel; only
     with blocked slots, which no other op reads)."""
 
-    def __init__(self, inner: SwitchGLU, threads: int, blocked: bool = False) -> None:
+    def __init__(
+        self,
+        inner: SwitchGLU,
+        threads: int,
+        blocked: bool = False,
+        layer: ExpertLayer | None = None,
+    ) -> None:
         self.inner = inner
-        self.projections = [inner[n] for n in ("gate_proj", "up_proj", "down_proj")]
-        self.specs = [(p.bits, p.group_size) for p in self.projections]
+        names = ("gate_proj", "up_proj", "down_proj")
+        self.projections = [inner[n] for n in names]
+        # (bits, group size, fma): fma where `layer`'s records make every
+        # product exact (exact_fma); the blocked kernels then fuse.
+        self.specs = [
+            (p.bits, p.group_size, exact_fma(_scales(layer, n), p.bits))
+            for n, p in zip(names, self.projections, strict=True)
+        ]
         self.threads = threads
         self.blocked = blocked
         self.fills: object | None = None
@@ -365,11 +433,21 @@ def covers(inner: SwitchGLU) -> bool:
     )
 
 
-def expert_kernel(inner: SwitchGLU, plan: ExecutionPlan) -> ExpertKernel | None:
-    """The CPU kernel for `inner` where the plan runs it and it covers `inner`."""
+def _scales(layer: ExpertLayer | None, projection: str) -> Segment | None:
+    """The `scales` segment of `projection` in `layer`'s records, if any."""
+    if layer is None:
+        return None
+    return next((s for s in layer.segments if s.name == f"{projection}.scales"), None)
+
+
+def expert_kernel(
+    inner: SwitchGLU, plan: ExecutionPlan, layer: ExpertLayer | None = None
+) -> ExpertKernel | None:
+    """The CPU kernel for `inner` where the plan runs it and it covers `inner`;
+    on slots filled from `layer`'s records (which tell where it may fuse)."""
     if not (plan.cpu_kernel and covers(inner)):
         return None
-    return ExpertKernel(inner, plan.tuning.kernel_threads)
+    return ExpertKernel(inner, plan.tuning.kernel_threads, layer=layer)
 
 
 # How a record stores scales and biases: the extension's ScaleFormat.
@@ -396,7 +474,8 @@ class MappedKernel:
             offsets = (w.offset, sc.offset, b.offset)
             shape = (rows, words * 4, sc.shape[1])
             spec = (SCALE_FORMATS[sc.dtype], w.bits, w.group_size)
-            self.projections.append((*offsets, *shape, *spec, w.layout == "blocked"))
+            fma = exact_fma(sc, w.bits)
+            self.projections.append((*offsets, *shape, *spec, w.blocked, fma))
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         return _native.expert_mlp_mapped(

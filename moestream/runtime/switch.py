@@ -84,7 +84,7 @@ class StreamingSwitchGLU(nn.Module):
         self._group_rows = plan.group_rows
         # The routed experts of a call on their slots: the extension's exact
         # CPU kernel where it covers this layer, else mlx-lm's SwitchGLU.
-        kernel = native.expert_kernel(inner, plan)
+        kernel = native.expert_kernel(inner, plan, layer)
         self._targets = self._allocate_slots()
         self._blocked = kernel is not None and self._blocks(plan)
         if kernel is not None:
