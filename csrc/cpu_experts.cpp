@@ -1399,6 +1399,32 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
   fills.done();
 }
 
+// Projection `q` of the expert whose record is at `record`.
+static Matrix record_matrix(const MappedProjection& q, const uint8_t* record) {
+  Matrix m;
+  m.rows = q.rows;
+  m.row_bytes = q.row_bytes;
+  m.cols = q.row_bytes * 8 / q.spec.bits;
+  m.groups = q.groups;
+  m.group_size = q.spec.group_size;
+  m.w = record + q.weight;
+  m.scales = record + q.scales;
+  m.biases = record + q.biases;
+  m.format = q.format;
+  return m;
+}
+
+// The expert ids of a call, checked against the layer's.
+static const uint32_t* expert_ids(const mx::array& ids, int experts) {
+  const uint32_t* expert = ids.data<uint32_t>();
+  for (int64_t p = 0; p < int64_t(ids.size()); p++) {
+    if (expert[p] >= uint32_t(experts)) {
+      throw std::out_of_range("moestream kernel: an expert id past the layer's");
+    }
+  }
+  return expert;
+}
+
 static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
                                   mx::array& out, ExpertCache& cache,
                                   const std::vector<MappedProjection>& proj,
@@ -1406,32 +1432,15 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
   const auto& x = in[0];
   const auto& ids = in[1];
   int64_t pairs = ids.size(), k = ids.shape(-1), d_in = x.shape(-1);
-  const uint32_t* expert = ids.data<uint32_t>();
+  const uint32_t* expert = expert_ids(ids, cache.num_experts);
   uint32_t experts = uint32_t(cache.num_experts);
-  for (int64_t p = 0; p < pairs; p++) {
-    if (expert[p] >= experts) {
-      throw std::out_of_range("moestream kernel: an expert id past the layer's");
-    }
-  }
   const Kernels fn[3] = {
       kernels(proj[0].spec, proj[0].format, proj[0].blocked),
       kernels(proj[1].spec, proj[1].format, proj[1].blocked),
       kernels(proj[2].spec, proj[2].format, proj[2].blocked)};
   auto mat = [&](int p, int64_t pair) {
-        const MappedProjection& q = proj[p];
-        const uint8_t* record = cache.mapped_record(int(expert[pair]));
-        Matrix m;
-        m.rows = q.rows;
-        m.row_bytes = q.row_bytes;
-        m.cols = q.row_bytes * 8 / q.spec.bits;
-        m.groups = q.groups;
-        m.group_size = q.spec.group_size;
-        m.w = record + q.weight;
-        m.scales = record + q.scales;
-        m.biases = record + q.biases;
-        m.format = q.format;
-        return m;
-      };
+    return record_matrix(proj[p], cache.mapped_record(int(expert[pair])));
+  };
   std::vector<float> xt;
   const float* xp = row_major(x, xt);
   float* y = out.data<float>();
@@ -1452,6 +1461,47 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
   cache.finish(*pending);
   run_calls(xp, expert, experts, int64_t(later.size()), k, d_in, hidden, d_out,
             mat, fn, y, threads, later.data());
+}
+
+// A prefill on CPU slots with more experts than slots (ExpertMlpInPlace):
+// every pair computed from its record in place, as the mapped backend does;
+// no record is copied into a slot, and the slots stay as they are.
+static void expert_mlp_in_place_run(const std::vector<mx::array>& in,
+                                    mx::array& out, ExpertCache& cache,
+                                    const std::vector<MappedProjection>& proj,
+                                    int threads) {
+  const auto& x = in[0];
+  const auto& ids = in[1];
+  int64_t pairs = ids.size(), k = ids.shape(-1), d_in = x.shape(-1);
+  const uint32_t* expert = expert_ids(ids, cache.num_experts);
+  std::vector<const uint8_t*> records =
+      cache.in_place(expert, pairs, int(x.shape(0)));
+  const Kernels fn[3] = {
+      kernels(proj[0].spec, proj[0].format, proj[0].blocked),
+      kernels(proj[1].spec, proj[1].format, proj[1].blocked),
+      kernels(proj[2].spec, proj[2].format, proj[2].blocked)};
+  auto mat = [&](int p, int64_t pair) {
+    return record_matrix(proj[p], records[expert[pair]]);
+  };
+  std::vector<float> xt;
+  try {
+    run_calls(row_major(x, xt), expert, uint32_t(cache.num_experts), pairs, k,
+              d_in, proj[0].rows, proj[2].rows, mat, fn, out.data<float>(),
+              threads);
+  } catch (...) {
+    cache.release_in_place();
+    throw;
+  }
+  cache.release_in_place();
+}
+
+void ExpertMlpInPlace::eval_cpu(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs) {
+  dispatch(stream(), inputs, outputs[0],
+           [inputs, out = outputs[0], cache = cache_, proj = projections_,
+            threads = threads_or_all(threads_)]() mutable {
+             expert_mlp_in_place_run(inputs, out, *cache, proj, threads);
+           });
 }
 
 void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,
@@ -1578,14 +1628,15 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
 mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
                             std::shared_ptr<ExpertCache> cache,
                             std::vector<MappedProjection> projections,
-                            int threads) {
+                            int threads, bool in_place) {
   if (projections.size() != 3) {
     throw std::invalid_argument(
         "moestream kernel: gate, up and down projections expected");
   }
-  if (!cache->mapped()) {
+  if (in_place ? !cache->pending_fills().on() : !cache->mapped()) {
     throw std::invalid_argument(
-        "moestream kernel: the cache has not mapped its blob (map_blob)");
+        in_place ? "moestream kernel: the cache does not fill in the kernel"
+                 : "moestream kernel: the cache has not mapped its blob (map_blob)");
   }
   int64_t d_in = x.shape(-1);
   check_float32(x, "x");
@@ -1623,11 +1674,12 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
   }
   auto shape = experts.shape();
   shape.push_back(int(projections[2].rows));
-  return mx::array(
-      shape, mx::float32,
-      std::make_shared<ExpertMlpMapped>(s, std::move(cache),
-                                        std::move(projections), threads),
-      std::move(inputs));
+  auto primitive =
+      in_place ? std::make_shared<ExpertMlpInPlace>(s, std::move(cache),
+                                                    std::move(projections), threads)
+               : std::make_shared<ExpertMlpMapped>(s, std::move(cache),
+                                                   std::move(projections), threads);
+  return mx::array(shape, mx::float32, std::move(primitive), std::move(inputs));
 }
 
 mx::array quant_matmul(const mx::array& x, const mx::array& w,

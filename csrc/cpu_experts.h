@@ -238,16 +238,30 @@ class ExpertMlpMapped : public CpuKernel {
     return false; // reads a mapping, not its inputs
   }
 
- private:
+ protected:
   std::shared_ptr<ExpertCache> cache_;
   std::vector<MappedProjection> projections_; // gate, up, down
   int threads_;
 };
 
+// ExpertMlpMapped on CPU slots' records (a cache that fills in the kernel):
+// a call with more experts than slots computed from every routed record in
+// place (ExpertCache::in_place), the slots left as they are.
+class ExpertMlpInPlace : public ExpertMlpMapped {
+ public:
+  using ExpertMlpMapped::ExpertMlpMapped;
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "ExpertMlpInPlace";
+  }
+};
+
+// `in_place`: on a CPU slot cache's records (ExpertMlpInPlace).
 mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
                             std::shared_ptr<ExpertCache> cache,
                             std::vector<MappedProjection> projections,
-                            int threads);
+                            int threads, bool in_place = false);
 
 mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      const std::vector<mx::array>& weights,

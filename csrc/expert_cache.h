@@ -90,20 +90,19 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void fill_in_kernel(bool on);
   // Whether it is on, and the slots that wait for their kernel: the kernel
   // takes each one's mapped record (its pages mapped in) there.
-  PendingFills& pending_fills() {
-    return fills_;
-  }
+  PendingFills& pending_fills() { return fills_; }
   // A taken fill the kernel did not finish: its expert leaves the slot.
-  void drop(int expert) {
-    table_.drop(expert);
-  }
+  void drop(int expert) { table_.drop(expert); }
   // A taken fill's record read: its pages leave this process's page tables
   // (the page cache keeps them), so the process's resident memory stays its
-  // slots', as when records are read. (Unmapping eight records at once
-  // measured no faster.)
+  // slots', as when records are read.
   void filled(int expert) {
     fills_.view().unmap_record(expert);
   }
+  // A call on the records in place (expert_mlp_in_place): per expert id its
+  // record checked and mapped in (null where not routed); no slot changes.
+  std::vector<const uint8_t*> in_place(const uint32_t* experts, int64_t n, int tokens);
+  void release_in_place(); // its records leave the page tables
   // Make `experts` resident now (host-blocking; the caller has synchronized),
   // as (part of) call `call`.
   void load(const std::vector<int>& experts, int tokens, int64_t call);
@@ -200,6 +199,7 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   std::shared_ptr<HostTier> tier_;
   int64_t tier_base_{0};
   PendingFills fills_; // fill_in_kernel's
+  std::vector<int> in_place_; // the records an in-place call mapped in
 };
 
 } // namespace moestream

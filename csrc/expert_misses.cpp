@@ -1,6 +1,6 @@
 // ExpertCache's calls whose misses are read after the slot table has given
 // them their slots: through the host tier's readers, or several records at
-// once into CPU slots.
+// once into CPU slots; and the calls computed from the records in place.
 #include "expert_cache.h"
 
 #include <exception>
@@ -130,6 +130,44 @@ bool ExpertCache::fillable(int expert) {
     return false;              // read as any miss, which says what failed
   }
   return true;
+}
+
+std::vector<const uint8_t*> ExpertCache::in_place(const uint32_t* experts,
+                                                  int64_t n, int tokens) {
+  if (!fills_.on()) {
+    throw std::logic_error("in_place: the cache does not fill in the kernel");
+  }
+  release_in_place(); // a call whose kernel never ran
+  std::vector<char> seen(num_experts, 0);
+  std::vector<int> unique = distinct(experts, n, seen);
+  std::vector<const uint8_t*> at(num_experts, nullptr);
+  std::vector<uint8_t> scratch;
+  for (int e : unique) {
+    count(e, table_.slot(e) >= 0, nullptr);
+    if (!fillable(e)) { // a read checks it, or says what failed
+      scratch.resize(size_t(record_nbytes));
+      try {
+        reader_.read(e, scratch.data());
+        fills_.view().populate(e, fills_.view().record(e), record_nbytes);
+      } catch (...) {
+        fills_.view().unmap_record(e);
+        release_in_place();
+        throw;
+      }
+    }
+    in_place_.push_back(e);
+    at[e] = fills_.view().record(e);
+    counters.bytes_read += record_nbytes; // through the mapping
+  }
+  table_.used(unique, tokens);
+  return at;
+}
+
+void ExpertCache::release_in_place() {
+  for (int e : in_place_) {
+    fills_.view().unmap_record(e);
+  }
+  in_place_.clear();
 }
 
 void ExpertCache::settle_fills() {

@@ -19,6 +19,7 @@ from builders.synthetic import tiny_qwen3_moe
 from helpers import PROMPT, logits_stepwise
 
 import moestream
+from moestream.bench.sysio import drop_cache
 from moestream.converter import convert
 from moestream.formats import Recipe, load_manifest
 from moestream.reference import resident_model
@@ -224,3 +225,52 @@ def test_only_cpu_slots_fill_in_the_kernel(case):
     model, _ = moestream.load(out, engine="native", backend="mapped")
     with pytest.raises(ValueError, match="only CPU slots"):
         layers(model)[0]._engine.cache.fill_in_kernel = True
+
+
+def test_a_prefill_past_the_slots_reads_the_records_in_place(case):
+    """A call with more pairs than slots (the prompt) on blocked records:
+    one kernel call computes every pair from its record in place, cold and
+    checked, writing no slot; the resident model's logits (the test above),
+    and the records leave the process's page tables after it."""
+    out, theirs = case
+    if not load_manifest(out).blocked:
+        pytest.skip("row records are read into slots, a group at a time")
+    for layer in load_manifest(out).layers:
+        drop_cache(out / layer.file)
+    gc.collect()
+    model, _ = moestream.load(out, engine="native", cache_experts=2)
+    before = [slot_bytes(m) for m in layers(model)]
+    tables = [m.slot_table().copy() for m in layers(model)]
+    ours = logits_stepwise(model, PROMPT, steps=0)  # the prefill alone
+    assert mx.array_equal(ours[0], theirs[0]).item()
+    stats = moestream.stats(model)
+    assert stats.in_place_calls == len(layers(model)) and stats.grouped_calls == 0
+    assert stats.misses > 0 and stats.kernel_fills == 0
+    for m, table, slots in zip(layers(model), tables, before, strict=True):
+        assert np.array_equal(m.slot_table(), table)
+        assert all(
+            np.array_equal(a, b) for a, b in zip(slots, slot_bytes(m), strict=True)
+        )
+    for layer in load_manifest(out).layers:
+        resident = mapped_kb((out / layer.file).resolve()) * 1024
+        assert resident < layer.record_nbytes, (layer.layer, resident)
+
+
+def test_an_in_place_call_says_which_read_failed(case):
+    """A record the in-place call cannot read raises ExpertReadError, and
+    leaves nothing mapped that the next call would trip on."""
+    out, _ = case
+    if not load_manifest(out).blocked:
+        pytest.skip("row records are read into slots, a group at a time")
+    warm(out)
+    model, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
+    m = layers(model)[0]
+    x = mx.random.normal((4, 128), key=mx.random.key(2))
+    ids = mx.array([[0, 6], [1, 6], [2, 3], [4, 5]], mx.uint32)
+    m._engine.cache.inject_read_failures(6, 2)  # the read and its retry
+    with pytest.raises(ExpertReadError, match="expert 6"):
+        mx.eval(m._in_place(x, ids))
+    again = m._in_place(x, ids)
+    mx.eval(again)
+    fill_in_kernel(model, False)  # the same pairs through slots: the same output
+    assert mx.array_equal(again, m._grouped(x, ids, m._experts)).item()

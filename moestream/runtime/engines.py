@@ -273,6 +273,18 @@ class NativeEngine(_Base):
         self.last = y
         return y
 
+    def in_place(
+        self, x: mx.array, indices: mx.array, kernel: Callable[..., mx.array]
+    ) -> mx.array:
+        """A call computed by `kernel` from the records in place (no slot
+        written), after the layer's calls before it."""
+        native.check(self.cache)
+        self.stats.next_step(self.layer.layer)
+        self.stats.record(self.layer.layer, indices, None, None, [], None)
+        if self.last is not None:
+            indices = mx.depends(indices, self.last)
+        return self.finish(kernel(x, indices))
+
     def _before_route(self, indices: mx.array) -> None:
         native.check(self.cache)
         # Our earlier outputs may not be evaluated yet (a later chunk's

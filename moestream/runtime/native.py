@@ -456,11 +456,16 @@ SCALE_FORMATS = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 class MappedKernel:
     """`inner(x, experts)` of a SwitchGLU on the records of a mapped cache,
-    read in place: the CPU kernel's arithmetic, as on slots."""
+    read in place: the CPU kernel's arithmetic, as on slots. `in_place`: the
+    cache is a CPU slot cache that fills in the kernel, whose records the
+    call reads in place the same way, its slots left as they are."""
 
-    def __init__(self, layer: ExpertLayer, cache: object, threads: int) -> None:
+    def __init__(
+        self, layer: ExpertLayer, cache: object, threads: int, in_place: bool = False
+    ) -> None:
         self.cache = cache
         self.threads = threads
+        self.in_place = in_place
         seg = {s.name: s for s in layer.segments}
         self.projections = []
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -479,7 +484,12 @@ class MappedKernel:
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         return _native.expert_mlp_mapped(
-            x, experts, self.cache, self.projections, self.threads
+            x,
+            experts,
+            self.cache,
+            self.projections,
+            self.threads,
+            in_place=self.in_place,
         )
 
 

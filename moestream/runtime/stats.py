@@ -40,6 +40,9 @@ class RuntimeStats:
     # CPU slot misses the CPU kernel filled as it read their records in place
     # (their records in the page cache: no read into the slot first).
     kernel_fills: int = 0
+    # Calls with more pairs than slots computed from the records in place,
+    # no slot written (CPU slots that fill in the kernel; else grouped_calls).
+    in_place_calls: int = 0
     # The native engine's host tier: slot misses whose record it held (read
     # ahead or kept), still being read ahead, or read from the blob then.
     host_hits: int = 0
@@ -209,6 +212,7 @@ class RuntimeStats:
             "bytes_read": self.bytes_read,
             "fill_bytes": self.fill_bytes,
             "kernel_fills": self.kernel_fills,
+            "in_place_calls": self.in_place_calls,
             "hit_rate": self.hit_rate,
             "prefetched": self.prefetched,
             "prefetch_precision": self.prefetch_precision,

@@ -93,8 +93,7 @@ class StreamingSwitchGLU(nn.Module):
         slots = [m[n] for m, n in self._targets]
         args = (plan, layer, store, slots, self._capacity, stats, outstanding, tier)
         self._engine: Engine = make_engine(*args, blocked=self._blocked)
-        if self._fills_in_kernel(plan):
-            kernel.fill_through(self._engine.cache)  # type: ignore[attr-defined]
+        self._in_place = self._fill_in_kernel(kernel, plan)
         # The fast arithmetic (plan.fast) on calls of at least this many pairs.
         self._fast = functools.partial(fast_glu, inner)
         rows = plan.tuning.fast_rows
@@ -142,6 +141,20 @@ class StreamingSwitchGLU(nn.Module):
             return False
         segments = self._layer.segments
         return all(len(s.shape) == 2 and s.shape[0] % BLOCK_ROWS == 0 for s in segments)
+
+    def _fill_in_kernel(
+        self, kernel: native.ExpertKernel | None, plan: ExecutionPlan
+    ) -> native.MappedKernel | None:
+        """Where the kernel fills this layer's misses (_fills_in_kernel), let it,
+        and give the kernel of a call with more pairs than slots (a prefill):
+        every pair from its record in place, no slot written."""
+        if kernel is None or not self._fills_in_kernel(plan):
+            return None
+        cache = self._engine.cache  # type: ignore[attr-defined]
+        kernel.fill_through(cache)
+        if plan.tuning.record_trace or self.capacity >= self._layer.num_experts:
+            return None  # (an in-place call records no trace)
+        return native.MappedKernel(self._layer, cache, kernel.threads, in_place=True)
 
     def _fills_in_kernel(self, plan: ExecutionPlan) -> bool:
         """Whether the kernel fills this layer's misses as it reads their
@@ -233,9 +246,14 @@ class StreamingSwitchGLU(nn.Module):
         return self._engine.slots(x, indices)
 
     def _grouped(self, x: mx.array, indices: mx.array, experts: Experts) -> mx.array:
-        """More pairs than slots (prefill): one call if the routed experts fit,
-        else slot-sized groups, each run once its experts are read."""
+        """More pairs than slots (prefill): from the records in place where the
+        kernel reads them so, else one call if the routed experts fit, else
+        slot-sized groups, each run once its experts are read."""
         engine = self._engine
+        in_place = self._in_place is not None and experts is self._experts
+        if in_place and self._experts.fills is not None:  # type: ignore[union-attr]
+            self._stats.in_place_calls += 1
+            return engine.in_place(x, indices, self._in_place)  # type: ignore[attr-defined]
         r = engine.route(indices)
         if r.unique.size <= self.capacity:
             lut = engine.load(r.unique, r.tokens, r.call)
