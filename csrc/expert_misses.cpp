@@ -138,6 +138,7 @@ std::vector<const uint8_t*> ExpertCache::in_place(const uint32_t* experts,
     throw std::logic_error("in_place: the cache does not fill in the kernel");
   }
   release_in_place(); // a call whose kernel never ran
+  settle_fills();     // none waits while fillable may map the blob again
   std::vector<char> seen(num_experts, 0);
   std::vector<int> unique = distinct(experts, n, seen);
   std::vector<const uint8_t*> at(num_experts, nullptr);
