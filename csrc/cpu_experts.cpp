@@ -1414,6 +1414,14 @@ static Matrix record_matrix(const MappedProjection& q, const uint8_t* record) {
   return m;
 }
 
+// The kernels of gate, up and down as their records store them.
+static void record_kernels(const std::vector<MappedProjection>& proj,
+                           Kernels (&fn)[3]) {
+  for (int p = 0; p < 3; p++) {
+    fn[p] = kernels(proj[p].spec, proj[p].format, proj[p].blocked);
+  }
+}
+
 // The expert ids of a call, checked against the layer's.
 static const uint32_t* expert_ids(const mx::array& ids, int experts) {
   const uint32_t* expert = ids.data<uint32_t>();
@@ -1425,26 +1433,44 @@ static const uint32_t* expert_ids(const mx::array& ids, int experts) {
   return expert;
 }
 
-static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
-                                  mx::array& out, ExpertCache& cache,
-                                  const std::vector<MappedProjection>& proj,
-                                  int threads) {
+// ExpertMlp on records read in place: a mapped cache's (the pairs whose
+// records its fetch left being read run last, once those reads end), or
+// (`in_place`, ExpertMlpInPlace) a CPU slot cache's, for a prefill with more
+// experts than slots: no record copied into a slot, the slots as they are.
+static void expert_mlp_records_run(const std::vector<mx::array>& in,
+                                   mx::array& out, ExpertCache& cache,
+                                   const std::vector<MappedProjection>& proj,
+                                   int threads, bool in_place) {
   const auto& x = in[0];
   const auto& ids = in[1];
   int64_t pairs = ids.size(), k = ids.shape(-1), d_in = x.shape(-1);
   const uint32_t* expert = expert_ids(ids, cache.num_experts);
   uint32_t experts = uint32_t(cache.num_experts);
-  const Kernels fn[3] = {
-      kernels(proj[0].spec, proj[0].format, proj[0].blocked),
-      kernels(proj[1].spec, proj[1].format, proj[1].blocked),
-      kernels(proj[2].spec, proj[2].format, proj[2].blocked)};
-  auto mat = [&](int p, int64_t pair) {
-    return record_matrix(proj[p], cache.mapped_record(int(expert[pair])));
-  };
+  Kernels fn[3];
+  record_kernels(proj, fn);
   std::vector<float> xt;
   const float* xp = row_major(x, xt);
   float* y = out.data<float>();
   int64_t hidden = proj[0].rows, d_out = proj[2].rows;
+  if (in_place) {
+    std::vector<const uint8_t*> records =
+        cache.in_place(expert, pairs, int(x.shape(0)));
+    auto mat = [&](int p, int64_t pair) {
+      return record_matrix(proj[p], records[expert[pair]]);
+    };
+    try {
+      run_calls(xp, expert, experts, pairs, k, d_in, hidden, d_out, mat, fn, y,
+                threads);
+    } catch (...) {
+      cache.release_in_place();
+      throw;
+    }
+    cache.release_in_place();
+    return;
+  }
+  auto mat = [&](int p, int64_t pair) {
+    return record_matrix(proj[p], cache.mapped_record(int(expert[pair])));
+  };
   auto pending = cache.take_pending();
   if (!pending) {
     run_calls(xp, expert, experts, pairs, k, d_in, hidden, d_out, mat, fn, y,
@@ -1461,47 +1487,6 @@ static void expert_mlp_mapped_run(const std::vector<mx::array>& in,
   cache.finish(*pending);
   run_calls(xp, expert, experts, int64_t(later.size()), k, d_in, hidden, d_out,
             mat, fn, y, threads, later.data());
-}
-
-// A prefill on CPU slots with more experts than slots (ExpertMlpInPlace):
-// every pair computed from its record in place, as the mapped backend does;
-// no record is copied into a slot, and the slots stay as they are.
-static void expert_mlp_in_place_run(const std::vector<mx::array>& in,
-                                    mx::array& out, ExpertCache& cache,
-                                    const std::vector<MappedProjection>& proj,
-                                    int threads) {
-  const auto& x = in[0];
-  const auto& ids = in[1];
-  int64_t pairs = ids.size(), k = ids.shape(-1), d_in = x.shape(-1);
-  const uint32_t* expert = expert_ids(ids, cache.num_experts);
-  std::vector<const uint8_t*> records =
-      cache.in_place(expert, pairs, int(x.shape(0)));
-  const Kernels fn[3] = {
-      kernels(proj[0].spec, proj[0].format, proj[0].blocked),
-      kernels(proj[1].spec, proj[1].format, proj[1].blocked),
-      kernels(proj[2].spec, proj[2].format, proj[2].blocked)};
-  auto mat = [&](int p, int64_t pair) {
-    return record_matrix(proj[p], records[expert[pair]]);
-  };
-  std::vector<float> xt;
-  try {
-    run_calls(row_major(x, xt), expert, uint32_t(cache.num_experts), pairs, k,
-              d_in, proj[0].rows, proj[2].rows, mat, fn, out.data<float>(),
-              threads);
-  } catch (...) {
-    cache.release_in_place();
-    throw;
-  }
-  cache.release_in_place();
-}
-
-void ExpertMlpInPlace::eval_cpu(const std::vector<mx::array>& inputs,
-                                std::vector<mx::array>& outputs) {
-  dispatch(stream(), inputs, outputs[0],
-           [inputs, out = outputs[0], cache = cache_, proj = projections_,
-            threads = threads_or_all(threads_)]() mutable {
-             expert_mlp_in_place_run(inputs, out, *cache, proj, threads);
-           });
 }
 
 void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,
@@ -1524,8 +1509,8 @@ void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
   dispatch(stream(), inputs, outputs[0],
            [inputs, out = outputs[0], cache = cache_, proj = projections_,
-            threads = threads_or_all(threads_)]() mutable {
-             expert_mlp_mapped_run(inputs, out, *cache, proj, threads);
+            threads = threads_or_all(threads_), in_place = in_place()]() mutable {
+             expert_mlp_records_run(inputs, out, *cache, proj, threads, in_place);
            });
 }
 

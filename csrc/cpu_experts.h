@@ -237,6 +237,10 @@ class ExpertMlpMapped : public CpuKernel {
   bool is_equivalent(const mx::Primitive&) const override {
     return false; // reads a mapping, not its inputs
   }
+  // Whether the cache is a CPU slot cache (ExpertMlpInPlace).
+  virtual bool in_place() const {
+    return false;
+  }
 
  protected:
   std::shared_ptr<ExpertCache> cache_;
@@ -250,10 +254,11 @@ class ExpertMlpMapped : public CpuKernel {
 class ExpertMlpInPlace : public ExpertMlpMapped {
  public:
   using ExpertMlpMapped::ExpertMlpMapped;
-  void eval_cpu(const std::vector<mx::array>& inputs,
-                std::vector<mx::array>& outputs) override;
   const char* name() const override {
     return "ExpertMlpInPlace";
+  }
+  bool in_place() const override {
+    return true;
   }
 };
 
