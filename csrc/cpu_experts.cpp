@@ -167,11 +167,13 @@ struct Matrix {
   // The fused rows of this matrix where they are not its projection's
   // (a record read in place among slots: KernelFills).
   RowsFn rows_fn{nullptr};
-  // A blocked slot the fused rows write as they read (blocked words, float32
-  // scales and biases), or none: rows_blocked<bits, F, true>.
+  // A blocked slot the fused rows write as they read (blocked words; scales
+  // and biases widened to float32, or as stored where `fill_stored`: a slot
+  // that keeps its record's dtype), or none: rows_blocked<bits, F, true>.
   uint32_t* fill_w{nullptr};
-  float* fill_scales{nullptr};
-  float* fill_biases{nullptr};
+  uint8_t* fill_scales{nullptr};
+  uint8_t* fill_biases{nullptr};
+  bool fill_stored{false};
 };
 
 // Scale or bias i of a row, as float32: cast.h's widening, bit for bit.
@@ -542,13 +544,14 @@ void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
     bi[v] = m.biases + block_at(r, m.groups) * size;
   }
   uint32_t* fw[2] = {};
-  float *fs[2] = {}, *fb[2] = {};
+  uint8_t *fs[2] = {}, *fb[2] = {};
+  const int64_t fill_size = m.fill_stored ? size : 4; // a slot's element
   if constexpr (Fill) {
     for (int v = 0; v < 2; v++) {
       int64_t r = std::min(r0 + v * kLanes, m.rows - kLanes);
       fw[v] = m.fill_w + block_at(r, words);
-      fs[v] = m.fill_scales + block_at(r, m.groups);
-      fb[v] = m.fill_biases + block_at(r, m.groups);
+      fs[v] = m.fill_scales + block_at(r, m.groups) * fill_size;
+      fb[v] = m.fill_biases + block_at(r, m.groups) * fill_size;
     }
   }
   const int64_t ahead = r0 + kRows < m.rows ? kRows * words : 0;
@@ -571,10 +574,18 @@ void rows_blocked(const Matrix& m, int64_t r0, const float* x, float* out) {
       s1 = load_scales<F>(sc[1] + g * kBlock * size);
       b1 = load_scales<F>(bi[1] + g * kBlock * size);
       if constexpr (Fill) {
-        store_vf(fs[0] + g * kBlock, s0);
-        store_vf(fb[0] + g * kBlock, b0);
-        store_vf(fs[1] + g * kBlock, s1);
-        store_vf(fb[1] + g * kBlock, b1);
+        const int64_t at = g * kBlock * fill_size;
+        if (m.fill_stored) { // the stored elements as they are
+          std::memcpy(fs[0] + at, sc[0] + g * kBlock * size, kLanes * size);
+          std::memcpy(fb[0] + at, bi[0] + g * kBlock * size, kLanes * size);
+          std::memcpy(fs[1] + at, sc[1] + g * kBlock * size, kLanes * size);
+          std::memcpy(fb[1] + at, bi[1] + g * kBlock * size, kLanes * size);
+        } else {
+          store_vf(reinterpret_cast<float*>(fs[0] + at), s0);
+          store_vf(reinterpret_cast<float*>(fb[0] + at), b0);
+          store_vf(reinterpret_cast<float*>(fs[1] + at), s1);
+          store_vf(reinterpret_cast<float*>(fb[1] + at), b1);
+        }
       }
     }
     VU w0v[bits], w1v[bits];
@@ -633,6 +644,14 @@ void matvec(const Matrix& m, RowsFn fn, int64_t begin, int64_t end,
   }
 }
 
+// How an array holds scales or biases: float32, or (blocked slots that keep
+// their records' dtype) bfloat16 or float16.
+ScaleFormat scale_format(mx::Dtype d) {
+  return d == mx::bfloat16  ? ScaleFormat::BF16
+         : d == mx::float16 ? ScaleFormat::F16
+                            : ScaleFormat::F32;
+}
+
 // Expert `e` of a stacked `[E, rows, cols]` projection (weight, scales, biases).
 Matrix matrix(const mx::array& w, const mx::array& s, const mx::array& b,
               QuantSpec spec, int64_t e) {
@@ -643,8 +662,9 @@ Matrix matrix(const mx::array& w, const mx::array& s, const mx::array& b,
   m.groups = s.shape(-1);
   m.group_size = spec.group_size;
   m.w = w.data<uint8_t>() + e * m.rows * m.row_bytes;
-  m.scales = s.data<uint8_t>() + e * m.rows * m.groups * 4;
-  m.biases = b.data<uint8_t>() + e * m.rows * m.groups * 4;
+  m.scales = s.data<uint8_t>() + e * m.rows * m.groups * s.itemsize();
+  m.biases = b.data<uint8_t>() + e * m.rows * m.groups * b.itemsize();
+  m.format = scale_format(s.dtype());
   return m;
 }
 
@@ -1213,10 +1233,11 @@ static void run_calls(const float* x, const uint32_t* key, uint32_t keys,
   run_groups(x, gr, k, d_in, hidden, d_out, mat, fn, y, threads);
 }
 
-// The scale format a segment's record stores (its cast to float32 slots).
-static bool record_format(Cast cast, ScaleFormat& format) {
+// The scale format a segment's record stores: its slot's (`slot`, no cast),
+// or the one its cast widens to float32 slots.
+static bool record_format(Cast cast, ScaleFormat slot, ScaleFormat& format) {
   switch (cast) {
-    case Cast::None: format = ScaleFormat::F32; return true;
+    case Cast::None: format = slot; return true;
     case Cast::Bf16ToF32: format = ScaleFormat::BF16; return true;
     case Cast::F16ToF32: format = ScaleFormat::F16; return true;
     default: return false;
@@ -1284,8 +1305,9 @@ class KernelFills {
     const Projection& q = proj_[p];
     if (copier_[s] == pair) {
       m.fill_w = reinterpret_cast<uint32_t*>(const_cast<uint8_t*>(m.w));
-      m.fill_scales = reinterpret_cast<float*>(const_cast<uint8_t*>(m.scales));
-      m.fill_biases = reinterpret_cast<float*>(const_cast<uint8_t*>(m.biases));
+      m.fill_scales = const_cast<uint8_t*>(m.scales);
+      m.fill_biases = const_cast<uint8_t*>(m.biases);
+      m.fill_stored = m.format != ScaleFormat::F32; // the slot keeps the record's
       m.rows_fn = q.fill;
     } else {
       m.rows_fn = q.rows;
@@ -1342,9 +1364,9 @@ class KernelFills {
     }
     for (int p = 0; p < 3; p++) {
       const Segment &w = *seg[3 * p], &sc = *seg[3 * p + 1], &bi = *seg[3 * p + 2];
-      ScaleFormat f, fb;
-      if (w.cast != Cast::None || !record_format(sc.cast, f) ||
-          !record_format(bi.cast, fb) || f != fb) {
+      ScaleFormat f, fb, slot = scale_format(in[3 + 3 * p].dtype());
+      if (w.cast != Cast::None || !record_format(sc.cast, slot, f) ||
+          !record_format(bi.cast, slot, fb) || f != fb) {
         return false;
       }
       Kernels k = kernels(specs[p], f, true);
@@ -1377,10 +1399,10 @@ static void expert_mlp_run(const std::vector<mx::array>& in, mx::array& out,
       throw std::out_of_range("moestream kernel: a slot id past the slots");
     }
   }
-  const auto f32 = ScaleFormat::F32;
-  const Kernels fn[3] = {kernels(specs[0], f32, blocked),
-                         kernels(specs[1], f32, blocked),
-                         kernels(specs[2], f32, blocked)};
+  Kernels fn[3];
+  for (int p = 0; p < 3; p++) { // slots hold float32, or blocked their records'
+    fn[p] = kernels(specs[p], scale_format(in[3 + 3 * p].dtype()), blocked);
+  }
   std::vector<float> xt;
   KernelFills fills(cache);
   fills.take(in, specs, slot, pairs, slots);
@@ -1591,8 +1613,15 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
   }
   for (int p = 0; p < 3; p++) {
     check_spec(specs[p], weights[3 * p].shape(-1) * 32 / specs[p].bits);
-    check_float32(weights[3 * p + 1], "scales");
-    check_float32(weights[3 * p + 2], "biases");
+    const mx::array &sc = weights[3 * p + 1], &bi = weights[3 * p + 2];
+    if (!blocked || sc.dtype() != bi.dtype() || sc.dtype() == mx::float32) {
+      check_float32(sc, "scales"); // blocked slots may keep bfloat16 or float16
+      check_float32(bi, "biases");
+    } else if (sc.dtype() != mx::bfloat16 && sc.dtype() != mx::float16) {
+      throw std::invalid_argument(
+          "moestream kernel: blocked slots' scales and biases must be float32, "
+          "bfloat16 or float16");
+    }
     if (blocked && weights[3 * p].shape(-2) % kBlock) {
       throw std::invalid_argument(
           "moestream kernel: blocked slots need rows in multiples of " +

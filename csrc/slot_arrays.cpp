@@ -28,10 +28,10 @@ void SlotArrays::bind(std::vector<mlx::core::array> s, bool gpu_slots,
         (gpu_slots || seg.rows <= 0 || seg.rows % kernel_block() ||
          seg.rows * seg.row_bytes != bytes ||
          (turned && seg.row_bytes % s[i].itemsize()) ||
-         (seg.slot_blocked && s[i].itemsize() != 4))) {
+         (seg.slot_blocked && s[i].itemsize() != 4 && s[i].itemsize() != 2))) {
       throw std::invalid_argument(
           "a blocked segment or record needs CPU slots (blocked slots of "
-          "4-byte elements), its rows a multiple of kernel_block()");
+          "4- or 2-byte elements), its rows a multiple of kernel_block()");
     }
   }
   slots = std::move(s);

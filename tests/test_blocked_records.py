@@ -377,10 +377,10 @@ def test_row_major_slots_from_blocked_records(converted, blocked_out, options):
 @pytest.mark.parametrize(
     "records, cpu_kernel, staged",
     [
-        ("blocked", True, {"scales", "biases"}),  # weights land as stored
+        ("blocked", True, set()),  # blocked slots keep them as stored
         ("blocked", False, {"weight", "scales", "biases"}),  # unblocked
         ("rows", True, {"weight", "scales", "biases"}),  # blocked
-        ("rows", False, {"scales", "biases"}),  # as today: cast only
+        ("rows", False, {"scales", "biases"}),  # float32 row slots: cast only
     ],
 )
 def test_slot_fill_stages_only_what_it_must(
@@ -398,7 +398,7 @@ def test_slot_fill_stages_only_what_it_must(
     monkeypatch.setattr(SlotFiller, "_write", spy)
     out = blocked_out if records == "blocked" else converted
     moestream.load(out, cache_experts=8, engine="python", cpu_kernel=cpu_kernel)
-    assert seen == staged  # bfloat16 scales and biases cast to float32 slots
+    assert seen == staged
 
 
 def test_native_engine_on_a_gpu_refuses_blocked_records(

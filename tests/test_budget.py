@@ -62,6 +62,11 @@ def slots_of(stderr: str) -> tuple[int, str]:
     return int(found.group(2)), found.group(1)
 
 
+def planned_slot(demo: Path) -> int:
+    """One slot's bytes in every MoE layer, as run-moe's plan counts it."""
+    return plan_for(demo, RuntimeConfig(cache_experts=4)).slot_bytes
+
+
 def run_moe(demo: Path, budget: str) -> subprocess.CompletedProcess:
     args = ["run", str(demo), "-p", PROMPT, "-m", TOKENS, "--stats"]
     return cli(*args, "--memory-budget", budget)
@@ -78,7 +83,15 @@ def test_run_and_plan_suggest_the_same_minimum_and_it_runs(demo: Path) -> None:
     r = run_moe(demo, least)
     assert r.returncode == 0, r.stderr
     capacity, process = slots_of(r.stderr)
-    assert capacity == 4  # the top-k: the least one token routes to
+    # At least the top-k (the least one token routes to); more only where a
+    # slot is smaller than the suggestion's rounding (0.1M), and a budget
+    # one rounding step smaller is refused: the suggestion is the least.
+    assert capacity >= 4
+    assert capacity == 4 or capacity - 4 <= 0.1 * 2**20 // planned_slot(demo)
+    smaller = run_moe(demo, f"{parse_size(least) / 2**20 - 0.1:.1f}M")
+    assert (
+        smaller.returncode == 2 and f"--memory-budget {least} or more" in smaller.stderr
+    )
     p = plan(demo, least, "-p", PROMPT, "-m", TOKENS)
     assert p.returncode == 0, p.stderr
     planned = json.loads(p.stdout)["plan"]
@@ -91,7 +104,7 @@ def test_chat_runs_at_the_minimum_it_suggests(demo: Path) -> None:
     least = suggestion(cli("chat", str(demo), "--memory-budget", "1K", stdin="q\n"))
     r = cli("chat", str(demo), "--memory-budget", least, stdin="def f(x):\nq\n")
     assert r.returncode == 0, r.stderr
-    assert slots_of(r.stderr)[0] == 4
+    assert slots_of(r.stderr)[0] >= 4  # (as the run's, above)
     assert "tokens of context]" in r.stderr  # it answered
 
 

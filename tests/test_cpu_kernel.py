@@ -313,7 +313,9 @@ def _streaming(model: nn.Module) -> dict[str, StreamingSwitchGLU]:
 @pytest.mark.parametrize("engine", ["python", "native"])
 def test_slots_blocked_where_the_kernel_runs(converted, reference, engine):
     """With the kernel, every slot holds its expert blocked (each engine's
-    filler): un-blocked, the resident model's weights, scales and biases."""
+    filler): un-blocked, the resident model's weights, scales and biases
+    (scales and biases as their records store them, here bfloat16: widened,
+    the resident model's float32 values)."""
     model, _ = moestream.load(
         converted, cache_experts=8, engine=engine, cpu_kernel=True
     )
@@ -327,7 +329,13 @@ def test_slots_blocked_where_the_kernel_runs(converted, reference, engine):
         table = m.slot_table()
         for proj in ("gate_proj", "up_proj", "down_proj"):
             for part in ("weight", "scales", "biases"):
-                slots = np.array(m._inner[proj][part])
+                held = m._inner[proj][part]
+                if part != "weight":
+                    assert held.dtype == getattr(
+                        mx, m.layer.segment(f"{proj}.{part}").dtype
+                    )
+                    held = held.astype(mx.float32)
+                slots = np.array(held)
                 theirs = np.array(resident[name][proj][part])
                 for expert in range(m.layer.num_experts):
                     if table[expert] < m.capacity:

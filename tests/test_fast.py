@@ -130,18 +130,25 @@ def test_the_plan_counts_the_fast_dequantized_slots(wide):
     )
     assert exact.fast_scratch == 0
     assert fast.fast_scratch == 2 * 16 * 3 * 256 * 256 * 4
-    assert fast.total == exact.total + fast.fast_scratch
+    # The exact kernel's blocked slots keep the bfloat16 scales and biases;
+    # the fast arithmetic's row slots hold them as float32.
+    assert fast.total == exact.total + fast.fast_scratch + 16 * (
+        fast.slot_bytes - exact.slot_bytes
+    )
+    assert exact.slot_bytes < fast.slot_bytes
     assert "fast dequantized 24.0M" in fast.describe()
-    budget = budget_for(wide, 16, options=RuntimeConfig(dtype="float32"))
+    rows = RuntimeConfig(dtype="float32").with_options(cpu_kernel=False)
+    budget = budget_for(wide, 16, options=rows)  # 16 float32 row slots
     slots = {
         a: plan_for(
             wide, RuntimeConfig(dtype="float32", memory_budget=budget, arithmetic=a)
         ).capacity
         for a in ("exact", "fast")
     }
-    # 16 slots' bytes hold 2 slots with their dequantized weights
-    assert slots == {"exact": 16, "fast": 16 * fast.slot_bytes // fast.per_slot}
-    assert slots["fast"] == 2
+    # 16 row slots' bytes hold every (smaller) blocked slot, and 2 row slots
+    # with their dequantized weights
+    assert slots["exact"] == 16
+    assert slots["fast"] == 16 * fast.slot_bytes // fast.per_slot == 2
 
 
 @pytest.mark.parametrize("cache_experts", [16, 6])

@@ -196,7 +196,9 @@ def _plan_memory(
     if cfg.backend == "mapped":
         _require_mapped(gpu, compute, kernel)
         return _plan_mapped(cfg, *args)
-    memory = _plan_slots(cfg, *args)
+    # The CPU kernel's slots are blocked where it computes every call.
+    blocked = kernel and not gpu and compute == "float32" and cfg.arithmetic == "exact"
+    memory = _plan_slots(cfg, *args, blocked=blocked)
     if cfg.backend == "auto" and _mapped_by_default(
         cfg, memory, engine, gpu, compute, kernel, switches
     ):
@@ -339,6 +341,7 @@ def _plan_slots(
     compute: mx.Dtype,
     process: int,
     budget: int | None = None,
+    blocked: bool = False,
 ) -> MemoryPlan:
     if budget is None and cfg.memory_budget is not None:
         budget = parse_size(cfg.memory_budget)
@@ -353,6 +356,7 @@ def _plan_slots(
         cfg.cache_experts,
         cfg.concurrency,
         fast=cfg.arithmetic == "fast",
+        blocked=blocked,
     )
 
 

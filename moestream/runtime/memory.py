@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from ..families import get_family
-from ..formats import ExpertLayer, Manifest
+from ..formats import BLOCK_ROWS, ExpertLayer, Manifest, Segment
 from ..units import count, human_bytes, peak_rss
 
 # mlx-lm's generate_step prefills in chunks of this many tokens.
@@ -170,15 +170,17 @@ def plan_memory(
     cache_experts: int | None,
     concurrency: int = 1,
     fast: bool = False,
+    blocked: bool = False,
 ) -> MemoryPlan:
     """Split `budget`; `concurrency` sequences decode at once, and each layer
     needs a slot for every expert one step of theirs can route to; `fast`:
-    the fast arithmetic's dequantized slots are counted too."""
+    the fast arithmetic's dequantized slots are counted too; `blocked`: the
+    CPU kernel's blocked slots, which keep stored scales and biases."""
     top_k = get_family(config).top_k(config)
     config = _text_config(config)
     num_experts = max((x.num_experts for x in manifest.layers), default=0)
     least = min(num_experts, concurrency * top_k)
-    slot = sum(_slot_nbytes(layer, compute) for layer in manifest.layers)
+    slot = sum(_slot_nbytes(layer, compute, blocked) for layer in manifest.layers)
     kv = concurrency * _kv_bytes(config, context, compute)
     act = concurrency * _activation_bytes(config, context, top_k)
     staging = STAGING_RECORDS * max(
@@ -244,10 +246,32 @@ def _capacity_fitting(plan: MemoryPlan, least: int) -> int:
     return capacity
 
 
-def _slot_nbytes(layer: ExpertLayer, compute: mx.Dtype) -> int:
+def blocks_rows(layer: ExpertLayer) -> bool:
+    """Whether every segment of `layer` is 2-D with whole blocks of rows: its
+    slots can be blocked (where the CPU kernel computes every call)."""
+    segments = layer.segments
+    return all(len(s.shape) == 2 and s.shape[0] % BLOCK_ROWS == 0 for s in segments)
+
+
+def kept_as_stored(layer: ExpertLayer, seg: Segment) -> bool:
+    """Whether blocked slots keep `seg` as its records store it: a projection's
+    scales and biases, both bfloat16 or both float16 (the kernel widens them
+    as it reads, exactly, as it reads mapped records)."""
+    projection, _, name = seg.name.rpartition(".")
+    pair = {s.name: s.dtype for s in layer.segments if s.projection == projection}
+    stored = {pair.get(f"{projection}.{n}") for n in ("scales", "biases")}
+    return name in ("scales", "biases") and stored in ({"bfloat16"}, {"float16"})
+
+
+def _slot_nbytes(layer: ExpertLayer, compute: mx.Dtype, blocked: bool = False) -> int:
+    """One expert's slot bytes: floats in the compute dtype, except what
+    blocked slots keep as stored (`blocked`: the CPU kernel's slots)."""
     float_size = compute.size
+    blocked = blocked and blocks_rows(layer)
     return sum(
-        s.nbytes // 2 * float_size
+        s.nbytes
+        if blocked and kept_as_stored(layer, s)
+        else s.nbytes // 2 * float_size
         if s.dtype in ("bfloat16", "float16")
         else s.nbytes // 4 * float_size
         if s.dtype == "float32"

@@ -262,14 +262,22 @@ def kernel_block() -> int:
 
 def blocked_arrays(arrays: list[mx.array]) -> list[mx.array]:
     """Stacked expert arrays `[E, rows, cols]` as blocked slots hold them."""
-    return [mx.array(blocked(np.array(a), kernel_block())) for a in arrays]
+
+    def turn(a: mx.array) -> mx.array:
+        if a.dtype != mx.bfloat16:
+            return mx.array(blocked(np.array(a), kernel_block()))
+        words = blocked(np.array(a.view(mx.uint16)), kernel_block())  # numpy lacks it
+        return mx.array(words).view(mx.bfloat16)
+
+    return [turn(a) for a in arrays]
 
 
 @functools.cache
 def kernel_matches_mlx() -> bool:
     """Whether the kernel computes what this MLX computes, bit for bit, on a
     small case of every bit width, decode's rows and prefill's panels (seven
-    tokens on one expert) both, on slots as MLX holds them and blocked
+    tokens on one expert) both, on slots as MLX holds them and blocked (with
+    float32 scales and biases, and with bfloat16 ones as blocked slots keep)
     (checked once; MLX's random state is left alone, so seeded sampling
     still draws what mlx-lm's does)."""
     x = mx.random.normal((8, 1, 1, 64), key=mx.random.key(1))
@@ -286,6 +294,15 @@ def kernel_matches_mlx() -> bool:
             yield _native.expert_mlp(x, inds, weights, specs, 1), theirs
             rows = blocked_arrays(weights)
             yield _native.expert_mlp(x, inds, rows, specs, 1, blocked=True), theirs
+            # blocked slots that keep bfloat16 scales and biases, as stored
+            bf16 = mx.bfloat16
+            kept = [a if i % 3 == 0 else a.astype(bf16) for i, a in enumerate(weights)]
+            kept_rows = blocked_arrays(kept)
+            ours = _native.expert_mlp(x, inds, kept_rows, specs, 1, blocked=True)
+            widened = [
+                a if i % 3 == 0 else a.astype(mx.float32) for i, a in enumerate(kept)
+            ]
+            yield ours, _reference_mlp(x, inds, widened, bits)
             dense = [a[0] for a in weights[:3]]
             yield (
                 _native.quant_matmul(x, *dense, bits, 32, 1),
@@ -406,7 +423,11 @@ class ExpertKernel:
 
     def __call__(self, x: mx.array, slots: mx.array) -> mx.array:
         weights = [a for p in self.projections for a in (p.weight, p.scales, p.biases)]
-        if any(a.dtype != mx.float32 for a in [x, *weights[1::3], *weights[2::3]]):
+        # Blocked slots may keep their records' bfloat16 or float16 scales.
+        floats = (mx.float32, mx.bfloat16, mx.float16)[: 3 if self.blocked else 1]
+        if x.dtype != mx.float32 or any(
+            a.dtype not in floats for a in [*weights[1::3], *weights[2::3]]
+        ):
             if self.blocked:  # MLX's gather_qmm would read them as rows
                 raise NativeEngineError(
                     f"The CPU kernel's blocked slots take float32 calls, not "

@@ -34,11 +34,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..formats import BLOCK_ROWS, ExpertLayer
+from ..formats import ExpertLayer, Segment
 from . import native
 from .backend import ExecutionPlan
 from .engines import Engine, NativeEngine, Outstanding, Routing, make_engine
 from .fast import fast_glu, fast_pairs
+from .memory import blocks_rows, kept_as_stored
 from .stats import RuntimeStats
 from .store import ExpertStore
 
@@ -85,8 +86,8 @@ class StreamingSwitchGLU(nn.Module):
         # The routed experts of a call on their slots: the extension's exact
         # CPU kernel where it covers this layer, else mlx-lm's SwitchGLU.
         kernel = native.expert_kernel(inner, plan, layer)
-        self._targets = self._allocate_slots()
         self._blocked = kernel is not None and self._blocks(plan)
+        self._targets = self._allocate_slots()
         if kernel is not None:
             kernel.blocked = self._blocked
         self._experts = kernel or inner
@@ -132,6 +133,17 @@ class StreamingSwitchGLU(nn.Module):
         layout (ExpertKernel): then only that kernel reads them."""
         return self._blocked
 
+    def _slot_dtype(self, seg: Segment) -> mx.Dtype:
+        """A segment's slots' dtype: its own, or the compute dtype for floats;
+        blocked slots keep their records' bfloat16 or float16 scales and
+        biases (the kernel widens them as it reads, exactly, as it reads
+        mapped records: fewer bytes a token, and a fill that copies them)."""
+        if seg.dtype not in FLOAT_DTYPES:
+            return getattr(mx, seg.dtype)
+        if self._blocked and kept_as_stored(self._layer, seg):
+            return getattr(mx, seg.dtype)
+        return self._float_dtype
+
     def _blocks(self, plan: ExecutionPlan) -> bool:
         """Whether this layer's slots are blocked, given that the CPU kernel
         computes its calls: where it computes every one of them (float32
@@ -139,8 +151,7 @@ class StreamingSwitchGLU(nn.Module):
         no slots) and every projection's rows fill whole blocks."""
         if plan.fast or plan.mapped or self._float_dtype != mx.float32:
             return False
-        segments = self._layer.segments
-        return all(len(s.shape) == 2 and s.shape[0] % BLOCK_ROWS == 0 for s in segments)
+        return blocks_rows(self._layer)
 
     def _fill_in_kernel(
         self, kernel: native.ExpertKernel | None, plan: ExecutionPlan
@@ -184,12 +195,7 @@ class StreamingSwitchGLU(nn.Module):
                     f"Layer {self._layer.layer}: segment {seg.name} {seg.shape} does "
                     "not match the model's expert module; convert again."
                 )
-            dtype = (
-                self._float_dtype
-                if seg.dtype in FLOAT_DTYPES
-                else getattr(mx, seg.dtype)
-            )
-            module[name] = mx.zeros((self.capacity, *seg.shape), dtype)
+            module[name] = mx.zeros((self.capacity, *seg.shape), self._slot_dtype(seg))
             targets.append((module, name))
         params = {
             f"{p}.{n}"
