@@ -196,8 +196,16 @@ def _plan_memory(
     if cfg.backend == "mapped":
         _require_mapped(gpu, compute, kernel)
         return _plan_mapped(cfg, *args)
-    # The CPU kernel's slots are blocked where it computes every call.
-    blocked = kernel and not gpu and compute == "float32" and cfg.arithmetic == "exact"
+    # The CPU kernel's slots are blocked where it computes every call of a
+    # layer (StreamingSwitchGLU._blocks); counted so only where it covers
+    # every layer, else as row slots (more bytes, never fewer than held).
+    blocked = (
+        kernel
+        and not gpu
+        and compute == "float32"
+        and cfg.arithmetic == "exact"
+        and all(native.covers(inner) for inner in switches)
+    )
     memory = _plan_slots(cfg, *args, blocked=blocked)
     if cfg.backend == "auto" and _mapped_by_default(
         cfg, memory, engine, gpu, compute, kernel, switches

@@ -260,12 +260,18 @@ class NativeEngine(_Base):
     def preload_tier(self) -> None:
         self.cache.preload_tier()
 
-    def slots(self, x: mx.array, indices: mx.array) -> mx.array:
+    def _begin(self, indices: mx.array) -> tuple[mx.array, int]:
+        """A call of `indices`: counted, its number, and the ids ordered after
+        the layer's last output (no slot is overwritten under it)."""
         native.check(self.cache)
         call = self.stats.next_step(self.layer.layer)
         self.stats.record(self.layer.layer, indices, None, None, [], None)
-        if self.last is not None:  # no slot is overwritten under it
+        if self.last is not None:
             indices = mx.depends(indices, self.last)
+        return indices, call
+
+    def slots(self, x: mx.array, indices: mx.array) -> mx.array:
+        indices, call = self._begin(indices)
         predicted = self.predict(x) if self.predict is not None else None
         return native.fetch(self.cache, indices, predicted, call)
 
@@ -278,11 +284,7 @@ class NativeEngine(_Base):
     ) -> mx.array:
         """A call computed by `kernel` from the records in place (no slot
         written), after the layer's calls before it."""
-        native.check(self.cache)
-        self.stats.next_step(self.layer.layer)
-        self.stats.record(self.layer.layer, indices, None, None, [], None)
-        if self.last is not None:
-            indices = mx.depends(indices, self.last)
+        indices, _ = self._begin(indices)
         return self.finish(kernel(x, indices))
 
     def _before_route(self, indices: mx.array) -> None:
