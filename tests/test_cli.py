@@ -26,7 +26,7 @@ def run(args: list[str]):
 
 
 @pytest.mark.parametrize(
-    "flags", [[], ["--set", "prefetch=off"], ["--set", "engine=python"]]
+    "flags", [[], ["--set", "prefetch=on"], ["--set", "engine=python"]]
 )
 def test_run_json_matches_resident_greedy(converted: Path, reference, flags) -> None:
     r = run(
@@ -55,8 +55,8 @@ def test_run_json_matches_resident_greedy(converted: Path, reference, flags) -> 
     s = out["stats"]
     assert s["prompt_tokens"] == len(prompt) and s["generation_tokens"] == len(want)
     assert 0 <= s["hit_rate"] <= 1 and s["bytes_read"] > 0 and s["peak_memory"] > 0
-    # The default engine prefetches where it is native; python does not.
-    prefetches = "prefetch=off" not in flags and "engine=python" not in flags
+    # The native engine prefetches when asked; python never does.
+    prefetches = "prefetch=on" in flags
     assert (s["prefetched"] > 0) == (prefetches and native.available())
 
 

@@ -64,7 +64,8 @@ def resident_routing(converted) -> dict[int, list[list[int]]]:
 
 
 def test_events_record_every_call(converted, engine) -> None:
-    model = load(converted, engine, cache_experts=3, record_trace=True)
+    ahead = {"prefetch": True} if engine != "python" else {}  # (off by default)
+    model = load(converted, engine, cache_experts=3, record_trace=True, **ahead)
     decode(model)
     s = moestream.stats(model)
     events = s.events

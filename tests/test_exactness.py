@@ -213,7 +213,9 @@ def test_trained_demo_model_exact(tmp_path_factory, engine, built):
         return out, prompt, logits_stepwise(resident_model(src, Recipe()), prompt, 24)
 
     out, prompt, theirs = once(built, "demo", build)
-    model, tokenizer = moestream.load(out, cache_experts=4, **engine)
+    # the native engine with its read-ahead asked for (off by default)
+    ahead = {"prefetch": True} if engine["engine"] == "native" else {}
+    model, tokenizer = moestream.load(out, cache_experts=4, **engine, **ahead)
     assert prompt.tolist()[0] == tokenizer.encode("import os\n\ndef walk(top):\n")
     ours = logits_stepwise(model, prompt, 24)
     assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))

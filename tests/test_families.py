@@ -204,11 +204,16 @@ def test_prefetch_router_matches_the_blocks_choice(case: Case):
         ours = router_predictor(block, top_k)(x)
         assert np.array_equal(np.sort(ours, -1), np.sort(inds, -1)), path
     # and the streaming model chains it with the family's top-k (the native
-    # engine's read-ahead; the python engine does not prefetch)
+    # engine's read-ahead, when asked for; the python engine does not prefetch)
     if not native.available():
         return
     model, _ = moestream.load(
-        case.out, cache_experts=2, dtype=F32, prefetch_extra=0, engine="native"
+        case.out,
+        cache_experts=2,
+        dtype=F32,
+        prefetch=True,
+        prefetch_extra=0,
+        engine="native",
     )
     path = min(recorders, key=layer_index)
     x, _ = recorders[path]._calls[0]

@@ -133,8 +133,9 @@ def test_lrfu_decay_reaches_the_policy() -> None:
 
 def test_engine_defaults_to_native_wherever_it_runs(monkeypatch, converted) -> None:
     """engine=None: native where the extension is built and can run on the
-    current device (a CPU; a GPU only if built with CUDA), else python; and
-    prefetch follows the engine. The plan decides it, once."""
+    current device (a CPU; a GPU only if built with CUDA), else python;
+    prefetch is off unless asked for, and only the native engine on a CPU
+    has it. The plan decides it, once."""
     from moestream.runtime import backend, native
     from moestream.runtime.loader import execution_for
 
@@ -142,7 +143,9 @@ def test_engine_defaults_to_native_wherever_it_runs(monkeypatch, converted) -> N
     want = "native" if native.runs_here(gpu) else "python"
     plan = execution_for(converted, config_from(cache_experts=4))
     assert (plan.backend != backend.PYTHON) == (want == "native")
-    assert plan.prefetch == (want == "native" and not gpu)
+    assert not plan.prefetch
+    on = execution_for(converted, config_from(cache_experts=4, prefetch=True))
+    assert on.prefetch == (want == "native" and not gpu)
     python = execution_for(converted, config_from(cache_experts=4, engine="python"))
     assert python.backend == backend.PYTHON and not python.prefetch
     off = config_from(cache_experts=4, engine=want, prefetch=False)
@@ -161,12 +164,11 @@ def test_a_gpu_never_reads_ahead() -> None:
     from moestream.runtime import backend
     from moestream.runtime.config import Tuning
 
-    memory = SimpleNamespace(host_records=4)
     for asked in (None, False):
         t = Tuning(prefetch=asked)
-        assert not backend._prefetches(t, "native", memory, False, True)
+        assert not backend._prefetches(t, "native", True)
     with pytest.raises(ValueError, match="a GPU does not read ahead") as e:
-        backend._prefetches(Tuning(prefetch=True), "native", memory, False, True)
+        backend._prefetches(Tuning(prefetch=True), "native", True)
     assert "\n" not in str(e.value) and "leave prefetch unset" in str(e.value)
 
 

@@ -163,7 +163,7 @@ def resolve(
     name = _name(engine, memory.mapped, gpu)
     every = sum(layer.num_experts for layer in manifest.layers)
     fill = memory.host_records >= every > 0
-    prefetch = _prefetches(t, engine, memory, fill, gpu)
+    prefetch = _prefetches(t, engine, gpu)
     rows = GPU_GROUP_ROWS if gpu else 1
     fast = cfg.arithmetic == "fast"
     return ExecutionPlan(
@@ -423,14 +423,10 @@ def _plan_host_tier(
     )
 
 
-def _prefetches(
-    t: Tuning, engine: str, memory: MemoryPlan, fill: bool, gpu: bool
-) -> bool:
-    """Tuning.prefetch resolved. A GPU never reads ahead (into its host tier it
-    measured 0.89x / 0.97x on the H200: deleted); by default none with mapped
-    experts (WILLNEED hints measured 0.83x there, 0.76x in RAM warm), nor into
-    a tier that holds every record (read at load: nothing is left to read
-    ahead)."""
+def _prefetches(t: Tuning, engine: str, gpu: bool) -> bool:
+    """Tuning.prefetch resolved: off unless asked for. Next-layer hints
+    measured slower on every backend, in RAM and larger than RAM (a GPU's
+    read-ahead was deleted; docs/options.md has the runs)."""
     if gpu:
         if t.prefetch:
             raise ValueError(
@@ -440,8 +436,4 @@ def _prefetches(
         return False
     if engine != "native":
         return False
-    if t.prefetch is not None:
-        return t.prefetch
-    if memory.mapped:
-        return False
-    return not fill
+    return bool(t.prefetch)

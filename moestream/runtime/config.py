@@ -51,8 +51,8 @@ class Tuning:
         reference) instead of a device kernel.
     policy: which resident expert to evict ("lrfu" or "lru").
     lrfu_decay: the lrfu policy's decay of every use count per token.
-    prefetch: the native engine's next-layer prediction; None: on where the
-        plan's backend reads ahead.
+    prefetch: the native engine's next-layer prediction and read-ahead on a
+        CPU; off unless True (it measured slower: docs/options.md).
     prefetch_extra: experts predicted beyond the router's top-k.
     readers: reader threads of the host tier and of piecewise record reads.
     kernel_threads: threads of the CPU kernel; 0 uses every core.
