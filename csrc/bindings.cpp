@@ -312,7 +312,7 @@ NB_MODULE(_native, m) {
          const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t,
                                       int64_t, int64_t, int, int, int, bool,
                                       bool>>& proj,
-         int threads, bool in_place) {
+         int threads, bool in_place, int64_t call) {
         std::vector<moestream::MappedProjection> p;
         for (auto& [w, s, b, rows, row_bytes, groups, format, bits, gs,
                     blocked, fma] : proj) {
@@ -326,15 +326,15 @@ NB_MODULE(_native, m) {
                        blocked});
         }
         return moestream::expert_mlp_mapped(x, experts, std::move(cache), p,
-                                            threads, in_place);
+                                            threads, in_place, call);
       },
       "x"_a, "experts"_a, "cache"_a, "projections"_a, "threads"_a = 0,
-      "in_place"_a = false,
+      "in_place"_a = false, "call"_a = -1,
       "expert_mlp on the records of a mapped cache, read in place: "
       "`experts` routed expert ids (its fetch's), `projections` gate, up, "
       "down as (weight, scales, biases offsets in the record, rows, "
       "row_bytes, groups, scale format, bits, group_size, blocked, fma); "
-      "`in_place`: on a CPU slot cache that fills in the kernel, no slot set.");
+      "`in_place`: on a CPU slot cache's records, no slot set (counts under `call`).");
   m.def(
       "quant_matmul",
       [](const mlx::core::array& x, const mlx::core::array& w,

@@ -1462,7 +1462,7 @@ static const uint32_t* expert_ids(const mx::array& ids, int experts) {
 static void expert_mlp_records_run(const std::vector<mx::array>& in,
                                    mx::array& out, ExpertCache& cache,
                                    const std::vector<MappedProjection>& proj,
-                                   int threads, bool in_place) {
+                                   int threads, bool in_place, int64_t call) {
   const auto& x = in[0];
   const auto& ids = in[1];
   int64_t pairs = ids.size(), k = ids.shape(-1), d_in = x.shape(-1);
@@ -1476,7 +1476,7 @@ static void expert_mlp_records_run(const std::vector<mx::array>& in,
   int64_t hidden = proj[0].rows, d_out = proj[2].rows;
   if (in_place) {
     std::vector<const uint8_t*> records =
-        cache.in_place(expert, pairs, int(x.shape(0)));
+        cache.in_place(expert, pairs, int(x.shape(0)), call);
     auto mat = [&](int p, int64_t pair) {
       return record_matrix(proj[p], records[expert[pair]]);
     };
@@ -1531,8 +1531,11 @@ void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
   dispatch(stream(), inputs, outputs[0],
            [inputs, out = outputs[0], cache = cache_, proj = projections_,
-            threads = threads_or_all(threads_), in_place = in_place()]() mutable {
-             expert_mlp_records_run(inputs, out, *cache, proj, threads, in_place);
+            threads = threads_or_all(threads_), in_place = in_place(),
+            call = in_place() ? static_cast<const ExpertMlpInPlace*>(this)->call()
+                              : -1]() mutable {
+             expert_mlp_records_run(inputs, out, *cache, proj, threads, in_place,
+                                    call);
            });
 }
 
@@ -1642,7 +1645,7 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
 mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
                             std::shared_ptr<ExpertCache> cache,
                             std::vector<MappedProjection> projections,
-                            int threads, bool in_place) {
+                            int threads, bool in_place, int64_t call) {
   if (projections.size() != 3) {
     throw std::invalid_argument(
         "moestream kernel: gate, up and down projections expected");
@@ -1689,8 +1692,8 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
   auto shape = experts.shape();
   shape.push_back(int(projections[2].rows));
   auto primitive =
-      in_place ? std::make_shared<ExpertMlpInPlace>(s, std::move(cache),
-                                                    std::move(projections), threads)
+      in_place ? std::make_shared<ExpertMlpInPlace>(
+                     s, std::move(cache), std::move(projections), threads, call)
                : std::make_shared<ExpertMlpMapped>(s, std::move(cache),
                                                    std::move(projections), threads);
   return mx::array(shape, mx::float32, std::move(primitive), std::move(inputs));

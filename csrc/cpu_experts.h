@@ -253,20 +253,33 @@ class ExpertMlpMapped : public CpuKernel {
 // place (ExpertCache::in_place), the slots left as they are.
 class ExpertMlpInPlace : public ExpertMlpMapped {
  public:
-  using ExpertMlpMapped::ExpertMlpMapped;
+  ExpertMlpInPlace(mx::Stream s, std::shared_ptr<ExpertCache> cache,
+                   std::vector<MappedProjection> projections, int threads,
+                   int64_t call)
+      : ExpertMlpMapped(s, std::move(cache), std::move(projections), threads),
+        call_(call) {}
   const char* name() const override {
     return "ExpertMlpInPlace";
   }
   bool in_place() const override {
     return true;
   }
+  // The call's id in the cache's records (RuntimeStats.events), or -1.
+  int64_t call() const {
+    return call_;
+  }
+
+ private:
+  int64_t call_;
 };
 
-// `in_place`: on a CPU slot cache's records (ExpertMlpInPlace).
+// `in_place`: on a CPU slot cache's records (ExpertMlpInPlace), its counts
+// recorded under `call` (the fetch's ids) where the cache records calls.
 mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
                             std::shared_ptr<ExpertCache> cache,
                             std::vector<MappedProjection> projections,
-                            int threads, bool in_place = false);
+                            int threads, bool in_place = false,
+                            int64_t call = -1);
 
 mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      const std::vector<mx::array>& weights,

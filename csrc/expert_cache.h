@@ -99,9 +99,10 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   void filled(int expert) {
     fills_.view().unmap_record(expert);
   }
-  // A call on the records in place (expert_mlp_in_place): per expert id its
-  // record checked and mapped in (null where not routed); no slot changes.
-  std::vector<const uint8_t*> in_place(const uint32_t* experts, int64_t n, int tokens);
+  // A call on the records in place (expert_mlp_in_place; counted as `call`):
+  // per expert id its record checked and mapped in (null where not routed).
+  std::vector<const uint8_t*> in_place(const uint32_t* experts, int64_t n,
+                                       int tokens, int64_t call = -1);
   void release_in_place(); // its records leave the page tables
   // Make `experts` resident now (host-blocking; the caller has synchronized),
   // as (part of) call `call`.

@@ -133,7 +133,8 @@ bool ExpertCache::fillable(int expert) {
 }
 
 std::vector<const uint8_t*> ExpertCache::in_place(const uint32_t* experts,
-                                                  int64_t n, int tokens) {
+                                                  int64_t n, int tokens,
+                                                  int64_t call) {
   if (!fills_.on()) {
     throw std::logic_error("in_place: the cache does not fill in the kernel");
   }
@@ -143,10 +144,18 @@ std::vector<const uint8_t*> ExpertCache::in_place(const uint32_t* experts,
   std::vector<int> unique = distinct(experts, n, seen);
   std::vector<const uint8_t*> at(num_experts, nullptr);
   std::vector<uint8_t> scratch;
+  CallRecord record{call};
+  CallRecord* rec = log.recording() && call >= 0 ? &record : nullptr;
+  if (rec) {
+    rec->prefetched = log.take_hinted();
+  }
   for (int e : unique) {
-    count(e, table_.slot(e) >= 0, nullptr);
+    count(e, table_.slot(e) >= 0, rec);
     if (!fillable(e)) { // a read checks it, or says what failed
       scratch.resize(size_t(record_nbytes));
+      if (rec) { // (the reader counts it)
+        rec->bytes_read += record_nbytes;
+      }
       try {
         reader_.read(e, scratch.data());
         fills_.view().populate(e, fills_.view().record(e), record_nbytes);
@@ -159,8 +168,14 @@ std::vector<const uint8_t*> ExpertCache::in_place(const uint32_t* experts,
     in_place_.push_back(e);
     at[e] = fills_.view().record(e);
     counters.bytes_read += record_nbytes; // through the mapping
+    if (rec) {
+      rec->bytes_read += record_nbytes;
+    }
   }
   table_.used(unique, tokens);
+  if (rec) {
+    log.add(std::move(record));
+  }
   return at;
 }
 

@@ -274,3 +274,32 @@ def test_an_in_place_call_says_which_read_failed(case):
     mx.eval(again)
     fill_in_kernel(model, False)  # the same pairs through slots: the same output
     assert mx.array_equal(again, m._grouped(x, ids, m._experts)).item()
+
+
+def test_an_in_place_call_is_in_the_trace(case):
+    """With the trace recorded (as `moestream bench` and `run-moe --trace`
+    load), the prompt still runs in place, and each layer's call is one
+    event: the router's experts, the hits those in slots, the bytes every
+    routed record's (each computed from its record; a record's first use
+    reads it once more, to check it), adding up to the counters."""
+    out, theirs = case
+    if not load_manifest(out).blocked:
+        pytest.skip("row records are read into slots, a group at a time")
+    warm(out)
+    model, _ = moestream.load(out, engine="native", cache_experts=2, record_trace=True)
+    tables = [m.slot_table().copy() for m in layers(model)]
+    ours = logits_stepwise(model, PROMPT, steps=0)
+    assert mx.array_equal(ours[0], theirs[0]).item()
+    stats = moestream.stats(model)
+    assert stats.in_place_calls == len(layers(model)) and stats.grouped_calls == 0
+    events = stats.events
+    assert len(events) == len(layers(model))
+    for e, m, table in zip(events, layers(model), tables, strict=True):
+        routed = set(e["experts"])
+        record = m._layer.record_nbytes
+        assert e["step"] == 0 and e["tokens"] == PROMPT.size
+        assert e["hits"] == sum(table[x] < m.capacity for x in routed)
+        assert e["hits"] + e["misses"] == len(routed)
+        assert e["bytes_read"] == 2 * len(routed) * record  # cold: checked first
+    assert sum(e["misses"] for e in events) == stats.misses > 0
+    assert sum(e["bytes_read"] for e in events) == stats.bytes_read

@@ -284,8 +284,8 @@ class NativeEngine(_Base):
     ) -> mx.array:
         """A call computed by `kernel` from the records in place (no slot
         written), after the layer's calls before it."""
-        indices, _ = self._begin(indices)
-        return self.finish(kernel(x, indices))
+        indices, call = self._begin(indices)
+        return self.finish(kernel(x, indices, call))
 
     def _before_route(self, indices: mx.array) -> None:
         native.check(self.cache)

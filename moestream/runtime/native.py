@@ -503,7 +503,9 @@ class MappedKernel:
             fma = exact_fma(sc, w.bits)
             self.projections.append((*offsets, *shape, *spec, w.blocked, fma))
 
-    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, experts: mx.array, call: int = -1) -> mx.array:
+        """`call`: an in-place call's id, under which a recording cache keeps
+        its counts (RuntimeStats.events)."""
         return _native.expert_mlp_mapped(
             x,
             experts,
@@ -511,6 +513,7 @@ class MappedKernel:
             self.projections,
             self.threads,
             in_place=self.in_place,
+            call=call,
         )
 
 

@@ -163,8 +163,8 @@ class StreamingSwitchGLU(nn.Module):
             return None
         cache = self._engine.cache  # type: ignore[attr-defined]
         kernel.fill_through(cache)
-        if plan.tuning.record_trace or self.capacity >= self._layer.num_experts:
-            return None  # (an in-place call records no trace)
+        if self.capacity >= self._layer.num_experts:
+            return None
         return native.MappedKernel(self._layer, cache, kernel.threads, in_place=True)
 
     def _fills_in_kernel(self, plan: ExecutionPlan) -> bool:
