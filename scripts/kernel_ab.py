@@ -26,7 +26,8 @@ bit for bit.
 After a colon a variant takes flags joined by `+`: `mapped` runs the mapped
 backend (no slots; `--pct` unused), `no-verify` skips the records'
 checksums (a mapped record's is checked the first time a call routes it),
-`no-prefetch` turns the next layer's prediction off,
+`no-prefetch` turns the next layer's prediction off, `trace` records the
+routing trace (as `moestream bench` does),
 `model=DIR` another conversion of the
 same weights (e.g. `convert-moe --layout blocked`), so that two layouts of
 the records run side by side, and `KEY=VALUE` sets a numeric Tuning field
@@ -83,6 +84,8 @@ def child(
     options = {"cpu_kernel": True, "verify": "no-verify" not in flags}
     if "no-prefetch" in flags:
         options["prefetch"] = False
+    if "trace" in flags:  # as moestream bench loads
+        options["record_trace"] = True
     for f in fields(Tuning):  # a Tuning field's number: KEY=VALUE
         default = getattr(Tuning, f.name)
         if f.name not in flags:
