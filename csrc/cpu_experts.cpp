@@ -1474,20 +1474,31 @@ static void expert_mlp_records_run(const std::vector<mx::array>& in,
   const float* xp = row_major(x, xt);
   float* y = out.data<float>();
   int64_t hidden = proj[0].rows, d_out = proj[2].rows;
-  if (in_place) {
-    std::vector<const uint8_t*> records =
-        cache.in_place(expert, pairs, int(x.shape(0)), call);
+  if (in_place) { // a few records mapped in at a time: the reads' staging
+    std::vector<int> routed = cache.in_place(expert, pairs, int(x.shape(0)), call);
+    std::vector<std::vector<int64_t>> of(experts);
+    for (int64_t p = 0; p < pairs; p++) {
+      of[expert[p]].push_back(p);
+    }
+    std::vector<const uint8_t*> at(experts, nullptr);
     auto mat = [&](int p, int64_t pair) {
-      return record_matrix(proj[p], records[expert[pair]]);
+      return record_matrix(proj[p], at[expert[pair]]);
     };
     try {
-      run_calls(xp, expert, experts, pairs, k, d_in, hidden, d_out, mat, fn, y,
-                threads);
+      for (size_t i = 0; i < routed.size(); i += kStagingRecords) {
+        std::vector<int64_t> which;
+        for (size_t j = i; j < std::min(routed.size(), i + kStagingRecords); j++) {
+          at[routed[j]] = cache.map_in_place(routed[j]);
+          which.insert(which.end(), of[routed[j]].begin(), of[routed[j]].end());
+        }
+        run_calls(xp, expert, experts, int64_t(which.size()), k, d_in, hidden,
+                  d_out, mat, fn, y, threads, which.data());
+        cache.release_in_place();
+      }
     } catch (...) {
       cache.release_in_place();
       throw;
     }
-    cache.release_in_place();
     return;
   }
   auto mat = [&](int p, int64_t pair) {

@@ -100,10 +100,12 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
     fills_.view().unmap_record(expert);
   }
   // A call on the records in place (expert_mlp_in_place; counted as `call`):
-  // per expert id its record checked and mapped in (null where not routed).
-  std::vector<const uint8_t*> in_place(const uint32_t* experts, int64_t n,
-                                       int tokens, int64_t call = -1);
-  void release_in_place(); // its records leave the page tables
+  // its distinct experts, each record checked and in the page cache. The
+  // kernel maps a few in at a time (map_in_place), then lets them go.
+  std::vector<int> in_place(const uint32_t* experts, int64_t n, int tokens,
+                            int64_t call = -1);
+  const uint8_t* map_in_place(int expert);
+  void release_in_place(); // the records mapped in leave the page tables
   // Make `experts` resident now (host-blocking; the caller has synchronized),
   // as (part of) call `call`.
   void load(const std::vector<int>& experts, int tokens, int64_t call);
@@ -183,9 +185,10 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // Make the fills no kernel took (a failed read drops the slot instead: the
   // next call that routes to its expert reads it and says why).
   void settle_fills();
-  // A miss the kernel can fill: checked, no failure injected, every page of
-  // its record in the page cache (and now mapped in).
+  // A miss the kernel can fill: cached (checked, no failure injected, every
+  // page of its record in the page cache), and now mapped in.
   bool fillable(int expert);
+  bool cached(int expert);
   // `resolve` for a mapped blob: `out` is `experts`.
   void resolve_mapped(const uint32_t* experts, int64_t n, int tokens,
                       uint32_t* out, CallRecord* rec);

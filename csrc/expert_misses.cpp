@@ -114,15 +114,19 @@ void ExpertCache::fill_in_kernel(bool on) {
   }
 }
 
-bool ExpertCache::fillable(int expert) {
+bool ExpertCache::cached(int expert) {
   if (reader_.reopens.load() != fills_.opens()) { // no fill is pending now
     fills_.map(reader_.blob, reader_.fd(), reader_.reopens.load(), capacity);
   }
-  const MappedBlob& view = fills_.view();
-  if (reader_.check.needed(expert) || reader_.failing(expert) ||
-      view.absent_bytes(expert) != 0) {
+  return !reader_.check.needed(expert) && !reader_.failing(expert) &&
+         fills_.view().absent_bytes(expert) == 0;
+}
+
+bool ExpertCache::fillable(int expert) {
+  if (!cached(expert)) {
     return false;
   }
+  const MappedBlob& view = fills_.view();
   try { // map its pages in now: the kernel's reads never fault
     view.populate(expert, view.record(expert), record_nbytes);
   } catch (const std::exception&) {
@@ -132,17 +136,15 @@ bool ExpertCache::fillable(int expert) {
   return true;
 }
 
-std::vector<const uint8_t*> ExpertCache::in_place(const uint32_t* experts,
-                                                  int64_t n, int tokens,
-                                                  int64_t call) {
+std::vector<int> ExpertCache::in_place(const uint32_t* experts, int64_t n,
+                                       int tokens, int64_t call) {
   if (!fills_.on()) {
     throw std::logic_error("in_place: the cache does not fill in the kernel");
   }
   release_in_place(); // a call whose kernel never ran
-  settle_fills();     // none waits while fillable may map the blob again
+  settle_fills();     // none waits while cached() may map the blob again
   std::vector<char> seen(num_experts, 0);
   std::vector<int> unique = distinct(experts, n, seen);
-  std::vector<const uint8_t*> at(num_experts, nullptr);
   std::vector<uint8_t> scratch;
   CallRecord record{call};
   CallRecord* rec = log.recording() && call >= 0 ? &record : nullptr;
@@ -151,22 +153,13 @@ std::vector<const uint8_t*> ExpertCache::in_place(const uint32_t* experts,
   }
   for (int e : unique) {
     count(e, table_.slot(e) >= 0, rec);
-    if (!fillable(e)) { // a read checks it, or says what failed
+    if (!cached(e)) { // a read checks it (into the page cache), or says what failed
       scratch.resize(size_t(record_nbytes));
       if (rec) { // (the reader counts it)
         rec->bytes_read += record_nbytes;
       }
-      try {
-        reader_.read(e, scratch.data());
-        fills_.view().populate(e, fills_.view().record(e), record_nbytes);
-      } catch (...) {
-        fills_.view().unmap_record(e);
-        release_in_place();
-        throw;
-      }
+      reader_.read(e, scratch.data());
     }
-    in_place_.push_back(e);
-    at[e] = fills_.view().record(e);
     counters.bytes_read += record_nbytes; // through the mapping
     if (rec) {
       rec->bytes_read += record_nbytes;
@@ -176,7 +169,21 @@ std::vector<const uint8_t*> ExpertCache::in_place(const uint32_t* experts,
   if (rec) {
     log.add(std::move(record));
   }
-  return at;
+  return unique;
+}
+
+const uint8_t* ExpertCache::map_in_place(int expert) {
+  const MappedBlob& view = fills_.view();
+  in_place_.push_back(expert);
+  try {
+    view.populate(expert, view.record(expert), record_nbytes);
+  } catch (const std::exception&) { // read it: that says what failed
+    view.unmap_record(expert);
+    std::vector<uint8_t> scratch(static_cast<size_t>(record_nbytes));
+    reader_.read(expert, scratch.data());
+    view.populate(expert, view.record(expert), record_nbytes);
+  }
+  return view.record(expert);
 }
 
 void ExpertCache::release_in_place() {
