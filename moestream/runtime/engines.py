@@ -122,12 +122,15 @@ class _Base:
         )
 
     def issue(self, y: mx.array) -> mx.array:
-        # `last` only orders our next call after this one: a one-element
-        # array that waits for y, not y itself, which (a prefill's `[tokens,
-        # k, hidden]`) would stay alive in every layer until that layer's
-        # next call.
-        self.last = mx.depends([mx.zeros((1,), y.dtype)], [y])[0]
         self.outstanding.arrays.append(y)
+        return self._after(y)
+
+    def _after(self, y: mx.array) -> mx.array:
+        """`y`, our next call ordered after it. `last` is a one-element array
+        that waits for y, not y itself, which (a prefill's `[tokens, k,
+        hidden]`) would stay alive in every layer until that layer's next
+        call."""
+        self.last = mx.depends([mx.zeros((1,), y.dtype)], [y])[0]
         mx.async_eval(self.last)  # compute y while Python builds the next layer
         return y
 
@@ -285,7 +288,7 @@ class NativeEngine(_Base):
         """A call computed by `kernel` from the records in place (no slot
         written), after the layer's calls before it."""
         indices, call = self._begin(indices)
-        return self.finish(kernel(x, indices, call))
+        return self._after(kernel(x, indices, call))
 
     def _before_route(self, indices: mx.array) -> None:
         native.check(self.cache)
