@@ -229,8 +229,7 @@ NB_MODULE(_native, m) {
           },
           "The counters since the last call (they restart at zero).");
 
-  // The eviction policy alone, as the engine runs it (tests hold it to
-  // runtime/pool.py's SlotPool).
+  // The eviction policy alone, as the engine runs it (tests: pool.py's).
   nb::class_<SlotTable>(m, "SlotPolicy")
       .def(
           "__init__",
@@ -336,17 +335,18 @@ NB_MODULE(_native, m) {
       "row_bytes, groups, scale format, bits, group_size, blocked, fma); "
       "`in_place`: on a CPU slot cache's records, no slot set (counts under `call`).");
   m.def(
-      "quant_matmul",
-      [](const mlx::core::array& x, const mlx::core::array& w,
-         const mlx::core::array& scales, const mlx::core::array& biases,
-         int bits, int group_size, int threads) {
-        return moestream::quant_matmul(
-            x, w, scales, biases, {bits, group_size}, threads);
+      "quant_matmuls",
+      [](const mlx::core::array& x, const std::vector<mlx::core::array>& weights,
+         const std::vector<std::tuple<int, int>>& specs, int threads) {
+        std::vector<moestream::QuantSpec> s;
+        for (auto [bits, group_size] : specs) {
+          s.push_back({bits, group_size});
+        }
+        return moestream::quant_matmuls(x, weights, s, threads);
       },
-      "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a,
-      "threads"_a = 0,
-      "mx.quantized_matmul(x, w, scales, biases, transpose=True) on the CPU, "
-      "bit for bit, over `threads` threads (0: every core).");
+      "x"_a, "weights"_a, "specs"_a, "threads"_a = 0,
+      "mx.quantized_matmul(x, w, scales, biases, transpose=True), bit for bit, per "
+      "(w, scales, biases) and (bits, group_size): one op over `threads` (0: all).");
   m.def(
       "exact_matmul",
       [](const mlx::core::array& a, const mlx::core::array& b, bool transpose_b,
