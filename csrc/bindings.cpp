@@ -229,7 +229,8 @@ NB_MODULE(_native, m) {
           },
           "The counters since the last call (they restart at zero).");
 
-  // The eviction policy alone, as the engine runs it (tests: pool.py's).
+  // The eviction policy alone, as the engine runs it (tests hold it to
+  // runtime/pool.py's SlotPool).
   nb::class_<SlotTable>(m, "SlotPolicy")
       .def(
           "__init__",
@@ -335,18 +336,17 @@ NB_MODULE(_native, m) {
       "row_bytes, groups, scale format, bits, group_size, blocked, fma); "
       "`in_place`: on a CPU slot cache's records, no slot set (counts under `call`).");
   m.def(
-      "quant_matmuls",
-      [](const mlx::core::array& x, const std::vector<mlx::core::array>& weights,
-         const std::vector<std::tuple<int, int>>& specs, int threads) {
-        std::vector<moestream::QuantSpec> s;
-        for (auto [bits, group_size] : specs) {
-          s.push_back({bits, group_size});
-        }
-        return moestream::quant_matmuls(x, weights, s, threads);
+      "quant_matmul",
+      [](const mlx::core::array& x, const mlx::core::array& w,
+         const mlx::core::array& scales, const mlx::core::array& biases,
+         int bits, int group_size, int threads) {
+        return moestream::quant_matmul(
+            x, w, scales, biases, {bits, group_size}, threads);
       },
-      "x"_a, "weights"_a, "specs"_a, "threads"_a = 0,
-      "mx.quantized_matmul(x, w, scales, biases, transpose=True), bit for bit, per "
-      "(w, scales, biases) and (bits, group_size): one op over `threads` (0: all).");
+      "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a,
+      "threads"_a = 0,
+      "mx.quantized_matmul(x, w, scales, biases, transpose=True) on the CPU, "
+      "bit for bit, over `threads` threads (0: every core).");
   m.def(
       "exact_matmul",
       [](const mlx::core::array& a, const mlx::core::array& b, bool transpose_b,

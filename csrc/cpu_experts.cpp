@@ -1550,88 +1550,54 @@ void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
            });
 }
 
-// One quantized matmul of a dense_run: its matrix, kernels and output.
-struct Dense {
-  Matrix m;
-  Kernels fn;
-  float* y;
-};
-
-// x `[tokens, cols]` times every matrix of `d` (one input, several outputs:
-// an attention's q, k and v), their tasks in one parallel_for: a token's rows
-// kTaskRows at a time, or panels of rows over blocks of tokens. Each output
-// is computed as a call of its own would compute it.
-static void dense_run(const float* x, int64_t tokens, const std::vector<Dense>& d,
-                      int threads) {
-  bool rows = tokens < kMinTokens;
-  int64_t step = rows ? kTaskRows : kPanel;
-  int64_t blocks = rows ? tokens : (tokens + kTokenBlock - 1) / kTokenBlock;
-  std::vector<int64_t> first = {0}; // each matrix's first task
-  for (const Dense& one : d) {
-    first.push_back(first.back() + blocks * ((one.m.rows + step - 1) / step));
+static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
+                             QuantSpec spec, int threads) {
+  Matrix m = matrix(in[1], in[2], in[3], spec, 0);
+  Kernels fn = kernels(spec); // row-major: QuantSpec::fma has no say
+  int64_t tokens = in[0].size() / m.cols;
+  std::vector<float> xt;
+  const float* x = row_major(in[0], xt);
+  float* y = out.data<float>();
+  if (tokens < kMinTokens) {
+    int64_t blocks = (m.rows + kTaskRows - 1) / kTaskRows;
+    parallel_for(int(tokens * blocks), threads, [&](int task) {
+      int64_t t = task / blocks, r0 = task % blocks * kTaskRows;
+      matvec(m, fn.rows, r0, std::min(m.rows, r0 + kTaskRows), x + t * m.cols,
+             y + t * m.rows);
+    });
+    return;
   }
-  parallel_for(int(first.back()), threads, [&](int task) {
-    size_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
-    const Matrix& m = d[i].m;
-    int64_t local = task - first[i], per = (m.rows + step - 1) / step;
-    int64_t r0 = local % per * step, cols = m.cols;
-    if (rows) {
-      int64_t t = local / per;
-      matvec(m, d[i].fn.rows, r0, std::min(m.rows, r0 + step), x + t * cols,
-             d[i].y + t * m.rows);
-      return;
-    }
-    int64_t t0 = local / per * kTokenBlock;
+  int64_t panels = (m.rows + kPanel - 1) / kPanel;
+  int64_t blocks = (tokens + kTokenBlock - 1) / kTokenBlock;
+  parallel_for(int(blocks * panels), threads, [&](int task) {
+    int64_t t0 = task / panels * kTokenBlock, r0 = task % panels * kPanel;
     int64_t n = std::min(kTokenBlock, tokens - t0);
     std::vector<const float*> xs(n);
-    for (int64_t j = 0; j < n; j++) {
-      xs[j] = x + (t0 + j) * cols;
+    for (int64_t i = 0; i < n; i++) {
+      xs[i] = x + (t0 + i) * m.cols;
     }
     std::vector<float> acc(n * kPanel);
-    d[i].fn.panel(m, r0, int(n), xs.data(), acc.data());
-    int64_t kept = std::min<int64_t>(kPanel, m.rows - r0);
-    for (int64_t j = 0; j < n; j++) {
-      std::memcpy(d[i].y + (t0 + j) * m.rows + r0, acc.data() + j * kPanel,
-                  kept * sizeof(float));
+    fn.panel(m, r0, int(n), xs.data(), acc.data());
+    int64_t rows = std::min<int64_t>(kPanel, m.rows - r0);
+    for (int64_t i = 0; i < n; i++) {
+      std::memcpy(y + (t0 + i) * m.rows + r0, acc.data() + i * kPanel,
+                  rows * sizeof(float));
     }
   });
-}
-
-// Inputs x, then (weight, scales, biases) per output.
-static void quant_matmuls_run(const std::vector<mx::array>& in,
-                              std::vector<mx::array>& out,
-                              const std::vector<QuantSpec>& specs, int threads) {
-  std::vector<Dense> d;
-  for (size_t i = 0; i < out.size(); i++) {
-    Matrix m = matrix(in[1 + 3 * i], in[2 + 3 * i], in[3 + 3 * i], specs[i], 0);
-    // row-major: QuantSpec::fma has no say
-    d.push_back({m, kernels(specs[i]), out[i].data<float>()});
-  }
-  std::vector<float> xt;
-  dense_run(row_major(in[0], xt), in[0].size() / d[0].m.cols, d, threads);
 }
 
 void QuantMatmul::eval_cpu(const std::vector<mx::array>& inputs,
                            std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  for (auto& out : outputs) {
-    enc.set_output_array(out);
-  }
-  enc.dispatch([inputs, outputs, specs = specs_,
-                threads = threads_or_all(threads_)]() mutable {
-    quant_matmuls_run(inputs, outputs, specs, threads);
-  });
+  dispatch(stream(), inputs, outputs[0],
+           [inputs, out = outputs[0], spec = spec_,
+            threads = threads_or_all(threads_)]() mutable {
+             quant_matmul_run(inputs, out, spec, threads);
+           });
 }
 
 bool QuantMatmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const QuantMatmul&>(other);
-  return specs_ == o.specs_ && threads_ == o.threads_;
+  return spec_ == o.spec_ && threads_ == o.threads_;
 }
 
 static void check_float32(const mx::array& a, const char* what) {
@@ -1744,38 +1710,28 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
   return mx::array(shape, mx::float32, std::move(primitive), std::move(inputs));
 }
 
-std::vector<mx::array> quant_matmuls(const mx::array& x,
-                                     const std::vector<mx::array>& weights,
-                                     const std::vector<QuantSpec>& specs,
-                                     int threads) {
+mx::array quant_matmul(const mx::array& x, const mx::array& w,
+                       const mx::array& scales, const mx::array& biases,
+                       QuantSpec spec, int threads) {
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
-  if (specs.empty() || weights.size() != 3 * specs.size()) {
-    throw std::invalid_argument(
-        "moestream kernel: (weight, scales, biases) for each spec expected");
-  }
+  int64_t cols = int64_t(w.shape(-1)) * 32 / spec.bits;
+  check_spec(spec, cols);
   check_float32(x, "x");
-  std::vector<mx::array> inputs = {x}; // read through its strides
-  std::vector<mx::Shape> shapes;
-  for (size_t i = 0; i < specs.size(); i++) {
-    const mx::array& w = weights[3 * i];
-    int64_t cols = int64_t(w.shape(-1)) * 32 / specs[i].bits;
-    check_spec(specs[i], cols);
-    check_float32(weights[3 * i + 1], "scales");
-    check_float32(weights[3 * i + 2], "biases");
-    if (x.shape(-1) != cols || w.ndim() != 2) {
-      throw std::invalid_argument(
-          "moestream kernel: x's last dim must match the 2-D weight's input dims");
-    }
-    for (int j = 0; j < 3; j++) {
-      inputs.push_back(row_contiguous(weights[3 * i + j], s));
-    }
-    shapes.push_back(x.shape());
-    shapes.back().back() = w.shape(0);
+  check_float32(scales, "scales");
+  check_float32(biases, "biases");
+  if (x.shape(-1) != cols || w.ndim() != 2) {
+    throw std::invalid_argument(
+        "moestream kernel: x's last dim must match the 2-D weight's input dims");
   }
-  std::vector<mx::Dtype> dtypes(specs.size(), mx::float32);
-  return mx::array::make_arrays(std::move(shapes), dtypes,
-                                std::make_shared<QuantMatmul>(s, specs, threads),
-                                std::move(inputs));
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  std::vector<mx::array> inputs = {x, // read through its strides
+                                   row_contiguous(w, s),
+                                   row_contiguous(scales, s),
+                                   row_contiguous(biases, s)};
+  return mx::array(shape, mx::float32,
+                   std::make_shared<QuantMatmul>(s, spec, threads),
+                   std::move(inputs));
 }
 
 } // namespace moestream

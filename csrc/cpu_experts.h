@@ -200,12 +200,11 @@ class ExpertMlp : public CpuKernel {
 };
 
 // x `[..., K]` @ dequantized(w `[N, K * bits / 32]`).T: mx.quantized_matmul
-// with transpose=True, exactly; one output per (w, scales, biases) and spec,
-// computed together (an attention's q, k and v: one op, one parallel run).
+// with transpose=True, exactly.
 class QuantMatmul : public CpuKernel {
  public:
-  QuantMatmul(mx::Stream s, std::vector<QuantSpec> specs, int threads)
-      : CpuKernel(s), specs_(std::move(specs)), threads_(threads) {}
+  QuantMatmul(mx::Stream s, QuantSpec spec, int threads)
+      : CpuKernel(s), spec_(spec), threads_(threads) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -214,7 +213,7 @@ class QuantMatmul : public CpuKernel {
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
-  std::vector<QuantSpec> specs_;
+  QuantSpec spec_;
   int threads_;
 };
 
@@ -287,10 +286,8 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      const std::vector<QuantSpec>& specs, int threads,
                      bool blocked = false,
                      std::shared_ptr<ExpertCache> fills = nullptr);
-// `weights`: (w, scales, biases) per spec; one output each.
-std::vector<mx::array> quant_matmuls(const mx::array& x,
-                                     const std::vector<mx::array>& weights,
-                                     const std::vector<QuantSpec>& specs,
-                                     int threads);
+mx::array quant_matmul(const mx::array& x, const mx::array& w,
+                       const mx::array& scales, const mx::array& biases,
+                       QuantSpec spec, int threads);
 
 } // namespace moestream

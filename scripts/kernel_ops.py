@@ -88,12 +88,6 @@ def child(
         turns = [(inds + 8 * i) % experts for i in range(8)] if memory else [inds]
         mx.eval(turns)
         count = iter(range(1 << 30))
-
-        def matmul(x, w, s, b, threads):  # builds before quant_matmuls had one
-            if hasattr(ext, "quant_matmul"):
-                return ext.quant_matmul(x, w, s, b, 4, 64, threads)
-            return ext.quant_matmuls(x, [w, s, b], [(4, 64)], threads)[0]
-
         ops = {
             "experts": lambda: ext.expert_mlp(
                 x,
@@ -103,7 +97,7 @@ def child(
                 threads,
                 blocked,
             ),
-            "matmul": lambda: matmul(x, w, s, b, threads),
+            "matmul": lambda: ext.quant_matmul(x, w, s, b, 4, 64, threads),
         }
         if blocked:  # the same with the fused dequantization (QuantSpec.fma)
             ops["experts fused"] = lambda: ext.expert_mlp(

@@ -227,7 +227,9 @@ def test_quant_matmul_many_tokens(tokens, bits):
     mx.random.seed(tokens + bits)
     layer = nn.QuantizedLinear(128, 72, bias=False, group_size=64, bits=bits)
     x = mx.random.normal((1, tokens, 128))
-    ours = native.quant_matmul(x, layer.weight, layer.scales, layer.biases, bits, 64)
+    ours = native._native.quant_matmul(
+        x, layer.weight, layer.scales, layer.biases, bits, 64
+    )
     assert mx.array_equal(ours, layer(x)).item()
 
 
@@ -238,55 +240,10 @@ def test_quant_matmul_equals_quantized_linear(bits, group_size):
     layer = nn.QuantizedLinear(256, 200, bias=False, group_size=group_size, bits=bits)
     for shape in [(1, 1, 256), (2, 7, 256)]:
         x = mx.random.normal(shape)
-        ours = native.quant_matmul(
+        ours = native._native.quant_matmul(
             x, layer.weight, layer.scales, layer.biases, bits, group_size
         )
         assert mx.array_equal(ours, layer(x)).item()
-
-
-@pytest.mark.parametrize("tokens", [1, 2, 3, 300])
-def test_quant_matmuls_each_equal_its_quantized_linear(tokens):
-    """Several matrices on one input as one op (an attention's q, k, v):
-    each output is its own layer's, bit for bit, whatever its bits, group
-    size and rows (a row task or panel may hold rows of two matrices)."""
-    mx.random.seed(tokens)
-    layers = [
-        nn.QuantizedLinear(256, rows, bias=False, group_size=gs, bits=bits)
-        for rows, bits, gs in ((200, 4, 64), (72, 8, 32), (136, 3, 128))
-    ]
-    x = mx.random.normal((1, tokens, 256))
-    weights = [getattr(m, n) for m in layers for n in ("weight", "scales", "biases")]
-    specs = [(m.bits, m.group_size) for m in layers]
-    outs = native._native.quant_matmuls(x, weights, specs, 0)
-    assert len(outs) == len(layers)
-    for out, m in zip(outs, layers, strict=True):
-        assert mx.array_equal(out, m(x)).item()
-
-
-def test_sibling_layers_run_as_one_op():
-    """q_proj, k_proj and v_proj called on one input in turn: the first
-    computes all three, the others take theirs; on another input, or out of
-    turn, each computes its own; always the layers' own outputs."""
-    mx.random.seed(3)
-    attn = nn.Module()
-    for name, rows in (("q_proj", 128), ("k_proj", 32), ("v_proj", 32)):
-        setattr(attn, name, nn.QuantizedLinear(64, rows, bias=False, group_size=32))
-        getattr(attn, name).scales = getattr(attn, name).scales.astype(mx.float32)
-        getattr(attn, name).biases = getattr(attn, name).biases.astype(mx.float32)
-    x, other = mx.random.normal((1, 3, 64)), mx.random.normal((1, 3, 64))
-    theirs = [m(x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
-    theirs_other = attn.v_proj(other)
-    native.use_dense_kernel(attn, _plan(True))
-    group = attn.q_proj._siblings
-    assert group.layers == [attn.q_proj, attn.k_proj, attn.v_proj]
-    q = attn.q_proj(x)
-    assert set(group.outputs) == {id(attn.k_proj), id(attn.v_proj)}
-    ours = [q, attn.k_proj(x), attn.v_proj(x)]
-    assert not group.outputs
-    assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs, strict=True))
-    assert mx.array_equal(attn.q_proj(x), theirs[0]).item()
-    assert mx.array_equal(attn.v_proj(other), theirs_other).item()  # not x: its own
-    assert mx.array_equal(attn.k_proj(x), theirs[1]).item()  # from q's second call
 
 
 def _plan(cpu_kernel: bool) -> SimpleNamespace:
@@ -313,7 +270,7 @@ def test_bad_input_raises_one_clear_line():
     with pytest.raises(RuntimeError, match="slot id past the slots"):
         mx.eval(_kernel(glu, mx.zeros((1, 1, 64)), inds + 2))  # 2 experts
     with pytest.raises(ValueError, match="bits must be"):
-        native.quant_matmul(
+        native._native.quant_matmul(
             mx.zeros((1, 64)),
             mx.zeros((8, 7), mx.uint32),
             mx.zeros((8, 2)),
@@ -460,6 +417,6 @@ def test_every_kind_of_scale_gives_mlxs_bits(bits, kind):
             assert not mx.array_equal(wrong, theirs, equal_nan=True).item()
         q = glu.gate_proj
         dense = (q.weight[0], q.scales[0], q.biases[0])
-        ours = native.quant_matmul(x, *dense, bits, 32)
+        ours = native._native.quant_matmul(x, *dense, bits, 32)
         theirs = mx.quantized_matmul(x, *dense, group_size=32, bits=bits)
         assert mx.array_equal(ours, theirs, equal_nan=True).item()

@@ -77,7 +77,7 @@ def test_kernels_read_views_through_their_strides():
     wq, sc, bi = mx.quantize(_operand((48, 64), 38), 64, 4)
     xq = _operand((64, 5), 39).T
     assert mx.array_equal(
-        native.quant_matmul(xq, wq, sc, bi, 4, 64),
+        native._native.quant_matmul(xq, wq, sc, bi, 4, 64),
         mx.quantized_matmul(xq, wq, sc, bi, True, 64, 4),
     ).item()
     xs = _operand((2, 9, 3, 64), 37).transpose(0, 2, 1, 3)

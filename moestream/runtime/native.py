@@ -305,7 +305,7 @@ def kernel_matches_mlx() -> bool:
             yield ours, _reference_mlp(x, inds, widened, bits)
             dense = [a[0] for a in weights[:3]]
             yield (
-                quant_matmul(x, *dense, bits, 32, 1),
+                _native.quant_matmul(x, *dense, bits, 32, 1),
                 mx.quantized_matmul(x, *dense, group_size=32, bits=bits),
             )
 
@@ -530,86 +530,19 @@ def mapped_kernel(
     return MappedKernel(layer, cache, plan.tuning.kernel_threads)
 
 
-def quant_matmul(
-    x: mx.array,
-    w: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    bits: int,
-    group_size: int,
-    threads: int = 0,
-) -> mx.array:
-    """mx.quantized_matmul(x, w, scales, biases, transpose=True) on the CPU
-    kernel, bit for bit (float32)."""
-    return _native.quant_matmuls(x, [w, scales, biases], [(bits, group_size)], threads)[
-        0
-    ]
-
-
-class _Siblings:
-    """KernelLinear layers that one module calls on the same input, one after
-    another (an attention's q, k and v; an MLP's gate and up): the first
-    computes every output as one kernel op, the others take theirs."""
-
-    def __init__(self, layers: list[KernelLinear]) -> None:
-        self.layers = layers
-        self.x: mx.array | None = None
-        self.outputs: dict[int, mx.array] = {}
-
-
 class KernelLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose float32 matmul runs on the CPU kernel."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self._on_kernel(x):
+        w, scales, biases = self["weight"], self["scales"], self["biases"]
+        if x.dtype != mx.float32 or scales.dtype != mx.float32:
             return super().__call__(x)
-        group = getattr(self, "_siblings", None)
-        if group is not None and group.x is x and id(self) in group.outputs:
-            y = group.outputs.pop(id(self))  # computed with the first sibling's
-        elif (
-            group is not None
-            and group.layers[0] is self
-            and all(m._on_kernel(x) for m in group.layers)
-        ):
-            weights = [
-                m[n] for m in group.layers for n in ("weight", "scales", "biases")
-            ]
-            specs = [(m.bits, m.group_size) for m in group.layers]
-            y, *rest = _native.quant_matmuls(x, weights, specs, self._kernel_threads)
-            group.x = x
-            group.outputs = {
-                id(m): r for m, r in zip(group.layers[1:], rest, strict=True)
-            }
-        else:
-            y = quant_matmul(
-                x, *(self[n] for n in ("weight", "scales", "biases")),
-                self.bits, self.group_size, self._kernel_threads,
-            )  # fmt: skip
+        y = _native.quant_matmul(
+            x, w, scales, biases, self.bits, self.group_size, self._kernel_threads
+        )
         if "bias" in self:
             y = y + self["bias"]
         return y
-
-    def _on_kernel(self, x: mx.array) -> bool:
-        return x.dtype == mx.float32 and self["scales"].dtype == mx.float32
-
-
-# Sibling layers (_Siblings) by their names in their module, in call order.
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _group_siblings(module: nn.Module) -> int:
-    """Give `module`'s sibling KernelLinear layers (SIBLINGS) their group."""
-    n = 0
-    for names in SIBLINGS:
-        layers = [module.get(name) for name in names]
-        if all(type(m) is KernelLinear for m in layers) and (
-            len({m["weight"].shape[-1] * 32 // m.bits for m in layers}) == 1
-        ):
-            group = _Siblings(layers)
-            for m in layers:
-                object.__setattr__(m, "_siblings", group)
-            n += 1
-    return n
 
 
 class KernelRMSNorm(nn.RMSNorm):
@@ -676,10 +609,9 @@ def start_kernel_pool(plan: ExecutionPlan) -> None:
 
 
 def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
-    """Turn the model's affine nn.QuantizedLinear layers into KernelLinear
-    (siblings on one input computed as one op: _Siblings), its nn.RMSNorm
-    into KernelRMSNorm and its nn.RoPE into KernelRoPE, where the plan runs
-    the CPU kernel; the number turned."""
+    """Turn the model's affine nn.QuantizedLinear layers into KernelLinear,
+    its nn.RMSNorm into KernelRMSNorm and its nn.RoPE into KernelRoPE, where
+    the plan runs the CPU kernel; the number turned."""
     if not plan.cpu_kernel:
         return 0
     n = 0
@@ -696,6 +628,4 @@ def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
         elif type(module) is nn.RoPE and ropes:
             module.__class__ = KernelRoPE
             n += 1
-    for _, module in model.named_modules():
-        _group_siblings(module)
     return n
