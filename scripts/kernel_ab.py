@@ -26,7 +26,8 @@ bit for bit.
 After a colon a variant takes flags joined by `+`: `mapped` runs the mapped
 backend (no slots; `--pct` unused), `no-verify` skips the records'
 checksums (a mapped record's is checked the first time a call routes it),
-`no-prefetch` turns the next layer's prediction off, `trace` records the
+`no-prefetch` turns the next layer's prediction off, `no-fills` reads a
+miss into its slot instead of leaving it to the kernel, `trace` records the
 routing trace (as `moestream bench` does),
 `model=DIR` another conversion of the
 same weights (e.g. `convert-moe --layout blocked`), so that two layouts of
@@ -98,6 +99,11 @@ def child(
     else:
         slots = max(8, round(experts * pct / 100))
         model, _ = load(Path(model_dir), cache_experts=slots, **options)
+    if "no-fills" in flags:  # misses read into their slots, not filled by the kernel
+        for _, m in model.named_modules():
+            if hasattr(m, "_engine") and hasattr(m._engine, "cache"):
+                m._engine.cache.fill_in_kernel = False
+                m._experts.fills = None
     out: dict = {"prefill": {}, "digest": {}}
     for p in prompts:
         prompt = mx.array([(7 * i + 3) % 8000 + 1 for i in range(p)])[None]
