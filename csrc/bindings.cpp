@@ -255,8 +255,7 @@ NB_MODULE(_native, m) {
       "cache"_a, "inds"_a, "predicted"_a = nb::none(), "call"_a = -1,
       "Slot ids for routed expert ids; misses are read inside the stream.");
 
-  // What the serve page draws (moestream/web): each expert's uses, the
-  // tier's fill. Read from the HTTP threads while the stream runs.
+  // What the serve page draws (each expert's uses, the tier's fill), read while the stream runs.
   m.def(
       "take_uses",
       [](ExpertCache& c) {
@@ -286,14 +285,17 @@ NB_MODULE(_native, m) {
       },
       "x"_a, "inds"_a, "weights"_a, "specs"_a, "threads"_a = 0,
       "blocked"_a = false, "fills"_a = nb::none(),
-      "SwitchGLU with SwiGLU over slot arrays, bit for bit MLX's CPU ops; "
-      "`weights` gate, up, down (weight, scales, biases), `specs` their "
-      "(bits, group_size, fma): fma where every scale * q is exact in "
-      "float32 (the blocked kernels then dequantize with one fused "
-      "multiply-add); `threads` 0 uses every core; `blocked`: the "
-      "slots hold each projection kernel_block() rows at a time; `fills`: "
-      "the slots' cache, whose slots left waiting by its fetch "
-      "(fill_in_kernel) the call fills as it reads their records.");
+      "SwitchGLU with SwiGLU over slot arrays, bit for bit MLX's CPU ops "
+      "(cpu_experts.h): `weights` gate, up, down (weight, scales, biases), "
+      "`specs` their (bits, group_size, fma); `threads` 0: every core.");
+  m.def(
+      "huge_pages",
+      [](const mlx::core::array& a) {
+        if (!a.is_available() || a.data<uint8_t>() == nullptr) {
+          throw std::invalid_argument("huge_pages: an evaluated array is needed"); }
+        moestream::huge_pages(const_cast<uint8_t*>(a.data<uint8_t>()), a.nbytes());
+      },
+      "a"_a, "Back an evaluated CPU array's 2 MiB-aligned interior with huge pages.");
   m.def("kernel_lanes", &moestream::kernel_lanes,
         "The rows of one of the CPU kernel's vectors: 16 with AVX-512, else 8.");
   m.attr("staging_records") = moestream::kStagingRecords;
@@ -330,11 +332,9 @@ NB_MODULE(_native, m) {
       },
       "x"_a, "experts"_a, "cache"_a, "projections"_a, "threads"_a = 0,
       "in_place"_a = false, "call"_a = -1,
-      "expert_mlp on the records of a mapped cache, read in place: "
-      "`experts` routed expert ids (its fetch's), `projections` gate, up, "
-      "down as (weight, scales, biases offsets in the record, rows, "
-      "row_bytes, groups, scale format, bits, group_size, blocked, fma); "
-      "`in_place`: on a CPU slot cache's records, no slot set (counts under `call`).");
+      "expert_mlp on a cache's records in place (cpu_experts.h): `projections` "
+      "gate, up, down as (weight, scales, biases offsets, rows, row_bytes, groups, "
+      "format, bits, group_size, blocked, fma); `in_place`: a CPU slot cache's.");
   m.def(
       "quant_matmul",
       [](const mlx::core::array& x, const mlx::core::array& w,

@@ -1,5 +1,11 @@
 #include "slot_arrays.h"
 
+#include <sys/mman.h>
+
+#ifndef MADV_COLLAPSE // Linux 6.1; older C libraries lack the name
+#define MADV_COLLAPSE 25
+#endif
+
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -35,6 +41,22 @@ void SlotArrays::bind(std::vector<mlx::core::array> s, bool gpu_slots,
     }
   }
   slots = std::move(s);
+  if (!gpu_slots) {
+    for (auto& a : slots) {
+      huge_pages(a.data<uint8_t>(), int64_t(a.nbytes()));
+    }
+  }
+}
+
+void huge_pages(uint8_t* p, int64_t n) {
+  constexpr int64_t kHuge = 2 << 20;
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~uintptr_t(kHuge - 1);
+  uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~uintptr_t(kHuge - 1);
+  if (end <= begin) {
+    return;
+  }
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_COLLAPSE);
 }
 
 void SlotArrays::fill_host(const uint8_t* record, int slot) {

@@ -24,6 +24,10 @@ struct Segment {
   bool record_blocked{false}; // stored so (convert-moe --layout blocked)
 };
 
+// Back [p, p + n) with huge pages where the kernel allows it (its 2 MiB
+// aligned interior: MADV_HUGEPAGE, then MADV_COLLAPSE for what is there).
+void huge_pages(uint8_t* p, int64_t n);
+
 class SlotArrays {
  public:
   explicit SlotArrays(std::vector<Segment> segments)

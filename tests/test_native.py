@@ -219,3 +219,35 @@ def test_a_record_past_the_end_of_the_file(pieces, tmp_path: Path):
     os.truncate(out / layer.file, layer.data_offset + layer.record_nbytes - 5)
     with pytest.raises(ExpertReadError, match="lies past the end of the file"):
         logits_stepwise(model, PROMPT, steps=2)
+
+
+def _huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_cpu_slots_are_backed_by_huge_pages():
+    """An expert's slots span many pages; with 4 KiB pages a decode step's
+    reads miss the TLB on most of them. The slot arrays ask for huge pages
+    (SlotArrays::bind, through this helper: what the kernel's transparent
+    huge pages allow)."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not native.available() or not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages here")
+    a = mx.ones((16 << 20,), mx.uint8)
+    mx.eval(a)
+    address = np.asarray(memoryview(a)).ctypes.data  # MLX's own buffer
+    if "[madvise]" in thp.read_text():  # none unless asked for
+        assert _huge_kb(address + (4 << 20)) == 0
+    native._native.huge_pages(a)
+    assert _huge_kb(address + (4 << 20)) >= 2048
+    with pytest.raises(ValueError, match="an evaluated array"):
+        native._native.huge_pages(mx.ones((4,)) + 1)
