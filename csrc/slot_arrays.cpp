@@ -2,7 +2,7 @@
 
 #include <sys/mman.h>
 
-#ifndef MADV_COLLAPSE // Linux 6.1; older C libraries lack the name
+#if defined(__linux__) && !defined(MADV_COLLAPSE) // Linux 6.1; older C libraries lack it
 #define MADV_COLLAPSE 25
 #endif
 
@@ -49,6 +49,7 @@ void SlotArrays::bind(std::vector<mlx::core::array> s, bool gpu_slots,
 }
 
 void huge_pages(uint8_t* p, int64_t n) {
+#if defined(__linux__)
   constexpr int64_t kHuge = 2 << 20;
   uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~uintptr_t(kHuge - 1);
   uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~uintptr_t(kHuge - 1);
@@ -57,6 +58,10 @@ void huge_pages(uint8_t* p, int64_t n) {
   }
   ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
   ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_COLLAPSE);
+#else
+  (void)p; // transparent huge pages are Linux's
+  (void)n;
+#endif
 }
 
 void SlotArrays::fill_host(const uint8_t* record, int slot) {
