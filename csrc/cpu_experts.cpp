@@ -1543,8 +1543,7 @@ void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
   dispatch(stream(), inputs, outputs[0],
            [inputs, out = outputs[0], cache = cache_, proj = projections_,
             threads = threads_or_all(threads_), in_place = in_place(),
-            call = in_place() ? static_cast<const ExpertMlpInPlace*>(this)->call()
-                              : -1]() mutable {
+            call = this->call()]() mutable {
              expert_mlp_records_run(inputs, out, *cache, proj, threads, in_place,
                                     call);
            });

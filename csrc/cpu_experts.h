@@ -237,9 +237,13 @@ class ExpertMlpMapped : public CpuKernel {
   bool is_equivalent(const mx::Primitive&) const override {
     return false; // reads a mapping, not its inputs
   }
-  // Whether the cache is a CPU slot cache (ExpertMlpInPlace).
+  // Whether the cache is a CPU slot cache (ExpertMlpInPlace), and the
+  // call's id in its records (RuntimeStats.events), or -1.
   virtual bool in_place() const {
     return false;
+  }
+  virtual int64_t call() const {
+    return -1;
   }
 
  protected:
@@ -264,8 +268,7 @@ class ExpertMlpInPlace : public ExpertMlpMapped {
   bool in_place() const override {
     return true;
   }
-  // The call's id in the cache's records (RuntimeStats.events), or -1.
-  int64_t call() const {
+  int64_t call() const override {
     return call_;
   }
 

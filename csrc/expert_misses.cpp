@@ -11,6 +11,13 @@
 
 namespace moestream {
 
+// Read `expert`'s record once into a buffer that is then dropped: the read
+// checks it (and leaves it in the page cache), or throws what failed.
+static void read_to_check(RecordReader& reader, int expert, int64_t nbytes) {
+  std::vector<uint8_t> scratch(static_cast<size_t>(nbytes));
+  reader.read(expert, scratch.data());
+}
+
 void ExpertCache::resolve_through_tier(
     const uint32_t* experts, int64_t n, int tokens, uint32_t* out,
     const UseRecord& use, CallRecord* rec) {
@@ -145,7 +152,6 @@ std::vector<int> ExpertCache::in_place(const uint32_t* experts, int64_t n,
   settle_fills();     // none waits while cached() may map the blob again
   std::vector<char> seen(num_experts, 0);
   std::vector<int> unique = distinct(experts, n, seen);
-  std::vector<uint8_t> scratch;
   CallRecord record{call};
   CallRecord* rec = log.recording() && call >= 0 ? &record : nullptr;
   if (rec) {
@@ -153,12 +159,11 @@ std::vector<int> ExpertCache::in_place(const uint32_t* experts, int64_t n,
   }
   for (int e : unique) {
     count(e, table_.slot(e) >= 0, rec);
-    if (!cached(e)) { // a read checks it (into the page cache), or says what failed
-      scratch.resize(size_t(record_nbytes));
+    if (!cached(e)) {
       if (rec) { // (the reader counts it)
         rec->bytes_read += record_nbytes;
       }
-      reader_.read(e, scratch.data());
+      read_to_check(reader_, e, record_nbytes);
     }
     counters.bytes_read += record_nbytes; // through the mapping
     if (rec) {
@@ -179,8 +184,7 @@ const uint8_t* ExpertCache::map_in_place(int expert) {
     view.populate(expert, view.record(expert), record_nbytes);
   } catch (const std::exception&) { // read it: that says what failed
     view.unmap_record(expert);
-    std::vector<uint8_t> scratch(static_cast<size_t>(record_nbytes));
-    reader_.read(expert, scratch.data());
+    read_to_check(reader_, expert, record_nbytes);
     view.populate(expert, view.record(expert), record_nbytes);
   }
   return view.record(expert);

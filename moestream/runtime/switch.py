@@ -94,7 +94,7 @@ class StreamingSwitchGLU(nn.Module):
         slots = [m[n] for m, n in self._targets]
         args = (plan, layer, store, slots, self._capacity, stats, outstanding, tier)
         self._engine: Engine = make_engine(*args, blocked=self._blocked)
-        self._in_place = self._fill_in_kernel(kernel, plan)
+        self._in_place = self._in_place_kernel(kernel, plan)
         # The fast arithmetic (plan.fast) on calls of at least this many pairs.
         self._fast = functools.partial(fast_glu, inner)
         rows = plan.tuning.fast_rows
@@ -153,7 +153,7 @@ class StreamingSwitchGLU(nn.Module):
             return False
         return blocks_rows(self._layer)
 
-    def _fill_in_kernel(
+    def _in_place_kernel(
         self, kernel: native.ExpertKernel | None, plan: ExecutionPlan
     ) -> native.MappedKernel | None:
         """Where the kernel fills this layer's misses (_fills_in_kernel), let it,
