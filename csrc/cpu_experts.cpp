@@ -1455,6 +1455,62 @@ static const uint32_t* expert_ids(const mx::array& ids, int experts) {
   return expert;
 }
 
+// An in-place call's experts (a CPU slot cache's prefill past its slots),
+// each on one thread from start to end: its record mapped in, its pairs'
+// gate, up, SwiGLU and down, its record let go. No thread waits for another
+// between experts, and no more records are mapped at once than threads run.
+// A record that fails to map is mapped again afterwards on this thread by
+// the cache (map_in_place), which reads it and says what failed.
+static void run_in_place(const float* x, const uint32_t* expert,
+                         uint32_t experts, int64_t k, int64_t d_in,
+                         int64_t hidden, int64_t d_out,
+                         const std::vector<MappedProjection>& proj,
+                         const Kernels (&fn)[3], float* y, int threads,
+                         ExpertCache& cache, const std::vector<int>& routed,
+                         int64_t pairs) {
+  std::vector<std::vector<int64_t>> of(experts);
+  for (int64_t p = 0; p < pairs; p++) {
+    of[expert[p]].push_back(p);
+  }
+  std::vector<const uint8_t*> at(experts, nullptr);
+  auto mat = [&](int p, int64_t pair) {
+    return record_matrix(proj[p], at[expert[pair]]);
+  };
+  auto one = [&](int e) {
+    run_calls(x, expert, experts, int64_t(of[e].size()), k, d_in, hidden,
+              d_out, mat, fn, y, 1, of[e].data());
+  };
+  const MappedBlob& view = cache.pending_fills().view();
+  const int64_t nbytes = cache.record_nbytes;
+  std::vector<char> failed(routed.size(), 0);
+  parallel_for(int(routed.size()), threads, [&](int i) {
+    int e = routed[i];
+    try {
+      view.populate(e, view.record(e), nbytes);
+    } catch (const std::exception&) {
+      view.unmap_record(e);
+      failed[i] = 1;
+      return;
+    }
+    at[e] = view.record(e);
+    one(e);
+    view.unmap_record(e);
+  });
+  for (size_t i = 0; i < routed.size(); i++) {
+    if (failed[i]) {
+      int e = routed[i];
+      try {
+        at[e] = cache.map_in_place(e);
+        one(e);
+      } catch (...) {
+        cache.release_in_place();
+        throw;
+      }
+      cache.release_in_place();
+    }
+  }
+}
+
 // ExpertMlp on records read in place: a mapped cache's (the pairs whose
 // records its fetch left being read run last, once those reads end), or
 // (`in_place`, ExpertMlpInPlace) a CPU slot cache's, for a prefill with more
@@ -1474,31 +1530,10 @@ static void expert_mlp_records_run(const std::vector<mx::array>& in,
   const float* xp = row_major(x, xt);
   float* y = out.data<float>();
   int64_t hidden = proj[0].rows, d_out = proj[2].rows;
-  if (in_place) { // a few records mapped in at a time: the reads' staging
+  if (in_place) {
     std::vector<int> routed = cache.in_place(expert, pairs, int(x.shape(0)), call);
-    std::vector<std::vector<int64_t>> of(experts);
-    for (int64_t p = 0; p < pairs; p++) {
-      of[expert[p]].push_back(p);
-    }
-    std::vector<const uint8_t*> at(experts, nullptr);
-    auto mat = [&](int p, int64_t pair) {
-      return record_matrix(proj[p], at[expert[pair]]);
-    };
-    try {
-      for (size_t i = 0; i < routed.size(); i += kStagingRecords) {
-        std::vector<int64_t> which;
-        for (size_t j = i; j < std::min(routed.size(), i + kStagingRecords); j++) {
-          at[routed[j]] = cache.map_in_place(routed[j]);
-          which.insert(which.end(), of[routed[j]].begin(), of[routed[j]].end());
-        }
-        run_calls(xp, expert, experts, int64_t(which.size()), k, d_in, hidden,
-                  d_out, mat, fn, y, threads, which.data());
-        cache.release_in_place();
-      }
-    } catch (...) {
-      cache.release_in_place();
-      throw;
-    }
+    run_in_place(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
+                 threads, cache, routed, pairs);
     return;
   }
   auto mat = [&](int p, int64_t pair) {

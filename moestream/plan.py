@@ -326,6 +326,9 @@ def page_cache_room(plan: MemoryPlan) -> int:
     return max(0, available_memory() - (plan.total - plan.process))
 
 
+_STAGING = "records being read or mapped in: 2 of the largest, or 1 a kernel thread"
+
+
 def format_plan(result: dict[str, Any]) -> str:
     p = result["plan"]
     width = max(len(h(p[k])) for k in ("total", "dense", "process"))
@@ -348,7 +351,7 @@ def format_plan(result: dict[str, Any]) -> str:
         row("dense", p["dense"], "attention, norms, embeddings, routers, shared"),
         row("KV cache", p["kv_cache"]),
         row("activations", p["activations"], "a prefill chunk"),
-        row("staging", p["staging"], "records being read: two of the largest"),
+        row("staging", p["staging"], _STAGING),
         row("reserve", p["reserve"], "allocator slack: 32 MB + 3 % of the budget"),
         row(
             "experts",

@@ -20,6 +20,7 @@ Backends:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -30,7 +31,13 @@ from ..formats import Manifest
 from ..units import count, human_bytes, parse_size
 from . import native
 from .config import RuntimeConfig, Tuning
-from .memory import BudgetError, MemoryPlan, available_memory, plan_memory
+from .memory import (
+    STAGING_RECORDS,
+    BudgetError,
+    MemoryPlan,
+    available_memory,
+    plan_memory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +213,9 @@ def _plan_memory(
         and cfg.arithmetic == "exact"
         and all(native.covers(inner) for inner in switches)
     )
-    memory = _plan_slots(cfg, *args, blocked=blocked)
+    memory = _plan_slots(
+        cfg, *args, blocked=blocked, staging_records=_staging(cfg, blocked, engine)
+    )
     if cfg.backend == "auto" and _mapped_by_default(
         cfg, memory, engine, gpu, compute, kernel, switches
     ):
@@ -341,6 +350,14 @@ def _mapped_by_default(
     )
 
 
+def _staging(cfg: RuntimeConfig, blocked: bool, engine: str) -> int:
+    """Records read, or mapped in, at once: a prefill past the native
+    engine's blocked CPU slots maps one record per kernel thread."""
+    if not (blocked and engine == "native"):
+        return STAGING_RECORDS
+    return max(STAGING_RECORDS, cfg.tuning.kernel_threads or os.cpu_count() or 1)
+
+
 def _plan_slots(
     cfg: RuntimeConfig,
     manifest: Manifest,
@@ -350,6 +367,7 @@ def _plan_slots(
     process: int,
     budget: int | None = None,
     blocked: bool = False,
+    staging_records: int = STAGING_RECORDS,
 ) -> MemoryPlan:
     if budget is None and cfg.memory_budget is not None:
         budget = parse_size(cfg.memory_budget)
@@ -365,6 +383,7 @@ def _plan_slots(
         cfg.concurrency,
         fast=cfg.arithmetic == "fast",
         blocked=blocked,
+        staging_records=staging_records,
     )
 
 

@@ -31,6 +31,8 @@ PROCESS_STEP = 32 << 20
 PROCESS_FLOOR = 128 << 20
 # Host staging records, each the size of the largest record: a call's misses
 # are read through this many at once (csrc/record_reader.h kStagingRecords).
+# A prefill past the CPU slots maps one record per kernel thread instead
+# (csrc/cpu_experts.cpp run_in_place): the plan counts the larger.
 STAGING_RECORDS = 2
 
 
@@ -171,11 +173,13 @@ def plan_memory(
     concurrency: int = 1,
     fast: bool = False,
     blocked: bool = False,
+    staging_records: int = STAGING_RECORDS,
 ) -> MemoryPlan:
     """Split `budget`; `concurrency` sequences decode at once, and each layer
     needs a slot for every expert one step of theirs can route to; `fast`:
     the fast arithmetic's dequantized slots are counted too; `blocked`: the
-    CPU kernel's blocked slots, which keep stored scales and biases."""
+    CPU kernel's blocked slots, which keep stored scales and biases;
+    `staging_records`: records read or mapped in at once."""
     top_k = get_family(config).top_k(config)
     config = _text_config(config)
     num_experts = max((x.num_experts for x in manifest.layers), default=0)
@@ -183,7 +187,7 @@ def plan_memory(
     slot = sum(_slot_nbytes(layer, compute, blocked) for layer in manifest.layers)
     kv = concurrency * _kv_bytes(config, context, compute)
     act = concurrency * _activation_bytes(config, context, top_k)
-    staging = STAGING_RECORDS * max(
+    staging = staging_records * max(
         (x.record_nbytes for x in manifest.layers), default=0
     )
     dequant = max((_dequant_nbytes(x, compute) for x in manifest.layers), default=0)
