@@ -1455,18 +1455,51 @@ static const uint32_t* expert_ids(const mx::array& ids, int experts) {
   return expert;
 }
 
+// The slots of an in-place call's experts that a slot holds: each
+// projection's weight, scales and biases among the slot arrays (one a record
+// segment, found by its offset), and the kernels of the slots' layout.
+struct SlotSource {
+  const mx::array* part[3][3]; // projection, then weight, scales, biases
+  Kernels fn[3];
+};
+
+static SlotSource slot_source(const SlotArrays& memory,
+                              const std::vector<MappedProjection>& proj) {
+  SlotSource src;
+  for (int p = 0; p < 3; p++) {
+    const int64_t at[3] = {proj[p].weight, proj[p].scales, proj[p].biases};
+    bool blocked = false;
+    for (int j = 0; j < 3; j++) {
+      src.part[p][j] = nullptr;
+      for (size_t i = 0; i < memory.segments.size() && i < memory.slots.size(); i++) {
+        if (memory.segments[i].offset == at[j]) {
+          src.part[p][j] = &memory.slots[i];
+          blocked = blocked || (j == 0 && memory.segments[i].slot_blocked);
+        }
+      }
+      if (!src.part[p][j] || memory.on_gpu) {
+        throw std::logic_error("in-place call: the slots lack a record segment");
+      }
+    }
+    src.fn[p] = kernels(proj[p].spec, scale_format(src.part[p][1]->dtype()), blocked);
+  }
+  return src;
+}
+
 // An in-place call's experts (a CPU slot cache's prefill past its slots),
-// each on one thread from start to end: its record mapped in, its pairs'
-// gate, up, SwiGLU and down, its record let go. No thread waits for another
-// between experts, and no more records are mapped at once than threads run.
-// A record that fails to map is mapped again afterwards on this thread by
-// the cache (map_in_place), which reads it and says what failed.
+// each on one thread from start to end: its record mapped in (or its slot,
+// where one holds it), its pairs' gate, up, SwiGLU and down, its record let
+// go. No thread waits for another between experts, and no more records are
+// mapped at once than threads run. A record that fails to map is mapped
+// again afterwards on this thread by the cache (map_in_place), which reads
+// it and says what failed.
 static void run_in_place(const float* x, const uint32_t* expert,
                          uint32_t experts, int64_t k, int64_t d_in,
                          int64_t hidden, int64_t d_out,
                          const std::vector<MappedProjection>& proj,
                          const Kernels (&fn)[3], float* y, int threads,
-                         ExpertCache& cache, const std::vector<int>& routed,
+                         ExpertCache& cache,
+                         const std::vector<std::pair<int, int>>& routed,
                          int64_t pairs) {
   std::vector<std::vector<int64_t>> of(experts);
   for (int64_t p = 0; p < pairs; p++) {
@@ -1480,11 +1513,24 @@ static void run_in_place(const float* x, const uint32_t* expert,
     run_calls(x, expert, experts, int64_t(of[e].size()), k, d_in, hidden,
               d_out, mat, fn, y, 1, of[e].data());
   };
+  const SlotSource src = slot_source(cache.memory, proj);
+  auto from_slot = [&](int e, int slot) {
+    auto in_slot = [&](int p, int64_t) {
+      auto& part = src.part[p];
+      return matrix(*part[0], *part[1], *part[2], proj[p].spec, slot);
+    };
+    run_calls(x, expert, experts, int64_t(of[e].size()), k, d_in, hidden,
+              d_out, in_slot, src.fn, y, 1, of[e].data());
+  };
   const MappedBlob& view = cache.pending_fills().view();
   const int64_t nbytes = cache.record_nbytes;
   std::vector<char> failed(routed.size(), 0);
   parallel_for(int(routed.size()), threads, [&](int i) {
-    int e = routed[i];
+    auto [e, slot] = routed[i];
+    if (slot >= 0) {
+      from_slot(e, slot);
+      return;
+    }
     try {
       view.populate(e, view.record(e), nbytes);
     } catch (const std::exception&) {
@@ -1498,7 +1544,7 @@ static void run_in_place(const float* x, const uint32_t* expert,
   });
   for (size_t i = 0; i < routed.size(); i++) {
     if (failed[i]) {
-      int e = routed[i];
+      int e = routed[i].first;
       try {
         at[e] = cache.map_in_place(e);
         one(e);
@@ -1531,7 +1577,7 @@ static void expert_mlp_records_run(const std::vector<mx::array>& in,
   float* y = out.data<float>();
   int64_t hidden = proj[0].rows, d_out = proj[2].rows;
   if (in_place) {
-    std::vector<int> routed = cache.in_place(expert, pairs, int(x.shape(0)), call);
+    auto routed = cache.in_place(expert, pairs, int(x.shape(0)), call);
     run_in_place(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
                  threads, cache, routed, pairs);
     return;

@@ -98,9 +98,9 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // slots', as when records are read.
   void filled(int expert) { fills_.view().unmap_record(expert); }
   // A call on the records in place (expert_mlp_in_place; counted as `call`):
-  // its distinct experts, each record checked and in the page cache; the
-  // kernel maps a few in at a time (map_in_place), then lets them go.
-  std::vector<int> in_place(const uint32_t* experts, int64_t n, int tokens, int64_t call);
+  // its distinct experts and their slots (-1: none; the others' records
+  // checked and in the page cache, for the kernel to map in, then let go).
+  std::vector<std::pair<int, int>> in_place(const uint32_t* experts, int64_t n, int tokens, int64_t call);
   const uint8_t* map_in_place(int expert);
   void release_in_place(); // the records mapped in leave the page tables
   // Make `experts` resident now (host-blocking; the caller has synchronized),

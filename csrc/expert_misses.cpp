@@ -143,22 +143,27 @@ bool ExpertCache::fillable(int expert) {
   return true;
 }
 
-std::vector<int> ExpertCache::in_place(const uint32_t* experts, int64_t n,
-                                       int tokens, int64_t call) {
+std::vector<std::pair<int, int>> ExpertCache::in_place(const uint32_t* experts,
+                                                      int64_t n, int tokens,
+                                                      int64_t call) {
   if (!fills_.on()) {
     throw std::logic_error("in_place: the cache does not fill in the kernel");
   }
   release_in_place(); // a call whose kernel never ran
   settle_fills();     // none waits while cached() may map the blob again
   std::vector<char> seen(num_experts, 0);
-  std::vector<int> unique = distinct(experts, n, seen);
+  std::vector<std::pair<int, int>> routed;
   CallRecord record{call};
   CallRecord* rec = log.recording() && call >= 0 ? &record : nullptr;
   if (rec) {
     rec->prefetched = log.take_hinted();
   }
-  for (int e : unique) {
-    count(e, table_.slot(e) >= 0, rec);
+  for (int e : distinct(experts, n, seen)) {
+    routed.push_back({e, table_.slot(e)});
+    count(e, routed.back().second >= 0, rec);
+    if (routed.back().second >= 0) { // computed from its slot
+      continue;
+    }
     if (!cached(e)) {
       if (rec) { // (the reader counts it)
         rec->bytes_read += record_nbytes;
@@ -170,11 +175,15 @@ std::vector<int> ExpertCache::in_place(const uint32_t* experts, int64_t n,
       rec->bytes_read += record_nbytes;
     }
   }
+  std::vector<int> unique;
+  for (auto [e, s] : routed) {
+    unique.push_back(e);
+  }
   table_.used(unique, tokens);
   if (rec) {
     log.add(std::move(record));
   }
-  return unique;
+  return routed;
 }
 
 const uint8_t* ExpertCache::map_in_place(int expert) {

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from builders.synthetic import tiny_qwen3_moe
 from helpers import PROMPT, logits_stepwise
+from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
 from moestream.bench.sysio import drop_cache
@@ -64,6 +65,7 @@ CASES = {
     ),
 }
 STEPS = 8
+RESIDENT: dict[Path, object] = {}  # each case's resident model, by its output
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -79,6 +81,7 @@ def case(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]
     out = root / "out"
     convert(str(hf), out, bits, group_size, dtype=name, progress=False, layout=layout)
     ref = resident_model(hf, Recipe.parse(bits, group_size=group_size), name)
+    RESIDENT[out] = ref
     return out, logits_stepwise(ref, PROMPT, steps=STEPS)
 
 
@@ -325,3 +328,39 @@ def test_the_plan_counts_a_mapped_record_a_kernel_thread(case):
     ours = logits_stepwise(model, PROMPT, steps=0)
     assert mx.array_equal(ours[0], theirs[0]).item()
     assert moestream.stats(model).in_place_calls == len(layers(model))
+
+
+def two_turns(model) -> mx.array:
+    """The prompt, three greedy tokens, then a second prompt (a chat's next
+    turn) on the same cache: the second prompt's logits."""
+    cache = make_prompt_cache(model)
+    token = mx.argmax(model(PROMPT, cache=cache)[:, -1], axis=-1, keepdims=True)
+    for _ in range(3):
+        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+    turn = mx.array([[(11 * i + 7) % 100 for i in range(12)]])
+    out = model(turn, cache=cache)
+    mx.eval(out)
+    return out
+
+
+def test_an_in_place_call_computes_the_slots_experts_from_their_slots(case):
+    """A prompt past the slots after decode steps, when slots hold experts:
+    those are computed from their slots (no record mapped, nothing counted
+    read for them), the others from their records, and the logits are the
+    resident model's."""
+    out, _ = case
+    if not load_manifest(out).blocked:
+        pytest.skip("row records are read into slots, a group at a time")
+    warm(out)
+    model, _ = moestream.load(out, engine="native", cache_experts=2, record_trace=True)
+    ours = two_turns(model)
+    assert mx.array_equal(ours, two_turns(RESIDENT[out])).item()
+    n = len(layers(model))
+    events = moestream.stats(model).events
+    assert moestream.stats(model).in_place_calls == 2 * n
+    turn = events[-n:]
+    assert sum(e["hits"] for e in turn) > 0
+    for i, (e, m) in enumerate(zip(turn, layers(model), strict=True)):
+        before = {x for earlier in events[i:-n:n] for x in earlier["experts"]}
+        fresh = len(set(e["experts"]) - before)  # first use: read to check
+        assert e["bytes_read"] == (e["misses"] + fresh) * m._layer.record_nbytes
