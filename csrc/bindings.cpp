@@ -159,10 +159,10 @@ NB_MODULE(_native, m) {
           "(call, hits, misses, bytes_read, prefetched) of each call resolved "
           "since the last take, in call order (record_calls only).")
       .def("table", &ExpertCache::table)
-      .def("map_blob", &ExpertCache::map_blob,
+      .def("map_blob", &ExpertCache::map_blob, "window"_a = 0,
            "Map the blob read-only (RuntimeConfig.mapped): calls resolve to "
-           "expert ids, read in place by expert_mlp_mapped; ValueError when "
-           "the file is shorter than its records.")
+           "expert ids, read in place by expert_mlp_mapped, at most `window` "
+           "records kept mapped (0: all); ValueError when the file is short.")
       .def_prop_ro("mapped", &ExpertCache::mapped)
       .def("unmap_pages",
            [](ExpertCache& c) {

@@ -1455,6 +1455,10 @@ static const uint32_t* expert_ids(const mx::array& ids, int experts) {
   return expert;
 }
 
+// An in-place call's expert whose record a mapped layer's window keeps
+// mapped (MappedWindow): read where it is, left mapped.
+constexpr int kInWindow = -2;
+
 // The slots of an in-place call's experts that a slot holds: each
 // projection's weight, scales and biases among the slot arrays (one a record
 // segment, found by its offset), and the kernels of the slots' layout.
@@ -1501,6 +1505,7 @@ static void run_in_place(const float* x, const uint32_t* expert,
                          ExpertCache& cache,
                          const std::vector<std::pair<int, int>>& routed,
                          int64_t pairs) {
+  const bool mapped = cache.mapped(); // a mapped blob's window, not slots
   std::vector<std::vector<int64_t>> of(experts);
   for (int64_t p = 0; p < pairs; p++) {
     of[expert[p]].push_back(p);
@@ -1513,7 +1518,7 @@ static void run_in_place(const float* x, const uint32_t* expert,
     run_calls(x, expert, experts, int64_t(of[e].size()), k, d_in, hidden,
               d_out, mat, fn, y, 1, of[e].data());
   };
-  const SlotSource src = slot_source(cache.memory, proj);
+  const SlotSource src = mapped ? SlotSource{} : slot_source(cache.memory, proj);
   auto from_slot = [&](int e, int slot) {
     auto in_slot = [&](int p, int64_t) {
       auto& part = src.part[p];
@@ -1522,17 +1527,20 @@ static void run_in_place(const float* x, const uint32_t* expert,
     run_calls(x, expert, experts, int64_t(of[e].size()), k, d_in, hidden,
               d_out, in_slot, src.fn, y, 1, of[e].data());
   };
-  const MappedBlob& view = cache.pending_fills().view();
+  const MappedBlob& view =
+      mapped ? *cache.reader().mapped() : cache.pending_fills().view();
   const int64_t nbytes = cache.record_nbytes;
   std::vector<char> failed(routed.size(), 0);
   parallel_for(int(routed.size()), threads, [&](int i) {
     auto [e, slot] = routed[i];
-    if (slot >= 0) {
-      from_slot(e, slot);
+    if (slot >= 0 || slot == kInWindow) {
+      slot >= 0 ? from_slot(e, slot) : (at[e] = view.record(e), one(e));
       return;
     }
-    try {
-      view.populate(e, view.record(e), nbytes);
+    try { // (a mapped blob's records are read and checked by its call)
+      if (!mapped) {
+        view.populate(e, view.record(e), nbytes);
+      }
     } catch (const std::exception&) {
       view.unmap_record(e);
       failed[i] = 1;
@@ -1554,6 +1562,78 @@ static void run_in_place(const float* x, const uint32_t* expert,
       }
       cache.release_in_place();
     }
+  }
+}
+
+// A mapped cache's call: its pairs whose records are here first, while the
+// rest are read (MappedReads), then those.
+static void run_mapped(const float* xp, const uint32_t* expert,
+                       uint32_t experts, int64_t k, int64_t d_in,
+                       int64_t hidden, int64_t d_out,
+                       const std::vector<MappedProjection>& proj,
+                       const Kernels (&fn)[3], float* y, int threads,
+                       ExpertCache& cache, int64_t pairs) {
+  auto mat = [&](int p, int64_t pair) {
+    return record_matrix(proj[p], cache.mapped_record(int(expert[pair])));
+  };
+  auto pending = cache.take_pending();
+  if (!pending) {
+    run_calls(xp, expert, experts, pairs, k, d_in, hidden, d_out, mat, fn, y,
+              threads);
+    return;
+  }
+  // The pairs whose records are here first, while the rest are read.
+  std::vector<int64_t> ready, later;
+  for (int64_t p = 0; p < pairs; p++) {
+    (pending->in_flight[expert[p]] ? later : ready).push_back(p);
+  }
+  run_calls(xp, expert, experts, int64_t(ready.size()), k, d_in, hidden, d_out,
+            mat, fn, y, threads, ready.data());
+  cache.finish(*pending);
+  run_calls(xp, expert, experts, int64_t(later.size()), k, d_in, hidden, d_out,
+            mat, fn, y, threads, later.data());
+}
+
+// A mapped cache's call under a memory budget (MappedWindow): one of no
+// more experts than the window runs as any mapped call; a larger one (a
+// prefill) reads the window's records where they are and each other record
+// on one thread, letting it go after (run_in_place). Then the window takes
+// the call's experts, and the records it no longer holds leave the page
+// tables.
+static void run_windowed(const float* xp, const uint32_t* expert,
+                         uint32_t experts, int64_t k, int64_t d_in,
+                         int64_t hidden, int64_t d_out,
+                         const std::vector<MappedProjection>& proj,
+                         const Kernels (&fn)[3], float* y, int threads,
+                         ExpertCache& cache, int64_t pairs) {
+  MappedWindow& window = cache.window;
+  std::vector<char> seen(experts, 0);
+  std::vector<int> unique;
+  for (int64_t p = 0; p < pairs; p++) {
+    if (!seen[expert[p]]) {
+      seen[expert[p]] = 1;
+      unique.push_back(int(expert[p]));
+    }
+  }
+  std::stable_partition(unique.begin(), unique.end(),
+                        [&](int e) { return window.holds(e); });
+  if (int(unique.size()) <= window.capacity()) {
+    run_mapped(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
+               threads, cache, pairs);
+  } else {
+    if (auto pending = cache.take_pending()) {
+      cache.finish(*pending);
+    }
+    std::vector<std::pair<int, int>> routed;
+    for (int e : unique) {
+      routed.push_back({e, window.holds(e) ? kInWindow : -1});
+    }
+    run_in_place(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
+                 threads, cache, routed, pairs);
+  }
+  window.used(unique);
+  for (int e : window.over()) {
+    cache.reader().mapped()->unmap_record(e);
   }
 }
 
@@ -1582,25 +1662,13 @@ static void expert_mlp_records_run(const std::vector<mx::array>& in,
                  threads, cache, routed, pairs);
     return;
   }
-  auto mat = [&](int p, int64_t pair) {
-    return record_matrix(proj[p], cache.mapped_record(int(expert[pair])));
-  };
-  auto pending = cache.take_pending();
-  if (!pending) {
-    run_calls(xp, expert, experts, pairs, k, d_in, hidden, d_out, mat, fn, y,
-              threads);
+  if (cache.window.on()) {
+    run_windowed(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
+                 threads, cache, pairs);
     return;
   }
-  // The pairs whose records are here first, while the rest are read.
-  std::vector<int64_t> ready, later;
-  for (int64_t p = 0; p < pairs; p++) {
-    (pending->in_flight[expert[p]] ? later : ready).push_back(p);
-  }
-  run_calls(xp, expert, experts, int64_t(ready.size()), k, d_in, hidden, d_out,
-            mat, fn, y, threads, ready.data());
-  cache.finish(*pending);
-  run_calls(xp, expert, experts, int64_t(later.size()), k, d_in, hidden, d_out,
-            mat, fn, y, threads, later.data());
+  run_mapped(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
+             threads, cache, pairs);
 }
 
 void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,

@@ -15,6 +15,7 @@
 #include "crc32.h"
 #include "host_tier.h"
 #include "mapped_reads.h"
+#include "mapped_window.h"
 #include "pending_fills.h"
 #include "read_error.h"
 #include "record_reader.h"
@@ -123,15 +124,13 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   }
   // RuntimeConfig.mapped: calls resolve to expert ids, read in place by the
   // kernel (ExpertMlpMapped); each miss left in flight (take_pending).
-  void map_blob() {
+  // `window`: records kept in the page tables (MappedWindow; 0: all).
+  void map_blob(int window = 0) {
     reader_.map();
+    this->window.set_capacity(window, num_experts);
   }
-  bool mapped() const {
-    return reader_.mapped() != nullptr;
-  }
-  const uint8_t* mapped_record(int expert) const {
-    return reader_.mapped()->record(expert);
-  }
+  bool mapped() const { return reader_.mapped() != nullptr; }
+  const uint8_t* mapped_record(int expert) const { return reader_.mapped()->record(expert); }
   std::shared_ptr<PendingReads> take_pending() {
     return mapped_reads_.take();
   }
@@ -142,6 +141,7 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   const int num_experts, capacity, max_pairs;
   const int64_t record_nbytes;
   SlotArrays memory;
+  MappedWindow window; // a mapped blob's, under a memory budget
   Counters counters;
   CallLog log;
   // Per expert: the calls resolved on the host that routed to it (hits plus

@@ -329,6 +329,22 @@ def page_cache_room(plan: MemoryPlan) -> int:
 _STAGING = "records being read or mapped in: 2 of the largest, or 1 a kernel thread"
 
 
+def _experts_note(p: dict[str, Any]) -> str:
+    """The experts row's words: slots, or mapped (with its window)."""
+    if p["mapped"] and p["window"]:
+        return (
+            f"mapped: {p['window']} of {p['num_experts']} records a layer kept "
+            "mapped under the budget, the page cache holds the rest"
+        )
+    if p["mapped"]:
+        return "mapped: no slots, the page cache holds them (--backend slots: slots)"
+    return (
+        f"{p['capacity']} of {p['num_experts']} per layer "
+        f"({100 * p['residency']:.0f} % resident), "
+        f"{h(p['slot_bytes'])} per slot in every layer"
+    )
+
+
 def format_plan(result: dict[str, Any]) -> str:
     p = result["plan"]
     width = max(len(h(p[k])) for k in ("total", "dense", "process"))
@@ -353,15 +369,7 @@ def format_plan(result: dict[str, Any]) -> str:
         row("activations", p["activations"], "a prefill chunk"),
         row("staging", p["staging"], _STAGING),
         row("reserve", p["reserve"], "allocator slack: 32 MB + 3 % of the budget"),
-        row(
-            "experts",
-            p["pools"],
-            "mapped: no slots, the page cache holds them (--backend slots: slots)"
-            if p["mapped"]
-            else f"{p['capacity']} of {p['num_experts']} per layer "
-            f"({100 * p['residency']:.0f} % resident), "
-            f"{h(p['slot_bytes'])} per slot in every layer",
-        ),
+        row("experts", p["pools"], _experts_note(p)),
         *(
             [row("fast", p["fast_scratch"], "a fast call's dequantized slots")]
             if p["fast_scratch"]

@@ -24,7 +24,8 @@ from moestream.bench.sysio import drop_cache
 from moestream.converter import convert
 from moestream.formats import Recipe, load_manifest
 from moestream.reference import resident_model
-from moestream.runtime import ExpertReadError, native
+from moestream.runtime import ExpertReadError, RuntimeConfig, loader, memory, native
+from moestream.runtime.loader import BudgetError, plan_for
 from moestream.runtime.switch import StreamingSwitchGLU
 
 pytestmark = pytest.mark.skipif(
@@ -364,3 +365,50 @@ def test_an_in_place_call_computes_the_slots_experts_from_their_slots(case):
         before = {x for earlier in events[i:-n:n] for x in earlier["experts"]}
         fresh = len(set(e["experts"]) - before)  # first use: read to check
         assert e["bytes_read"] == (e["misses"] + fresh) * m._layer.record_nbytes
+
+
+def test_a_mapped_layer_under_a_budget_keeps_only_its_window_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The mapped backend under --memory-budget: past the rest of the plan,
+    the budget holds each layer's window of records kept in the page tables,
+    the most recently routed. A prompt past the window reads the others one
+    a thread and lets them go; after every call the records out of the window
+    leave. The logits are the resident model's through a prompt, decode steps
+    and a second prompt; a budget that holds fewer records than a decode step
+    routes to is one line."""
+    geometry = {"num_hidden_layers": 2, "mlp_only_layers": []}
+    hf = tiny_qwen3_moe(tmp_path / "hf", moe_intermediate_size=1024, **geometry)
+    out = tmp_path / "out"
+    convert(
+        str(hf),
+        out,
+        "gate_proj=4,up_proj=4,down_proj=4",
+        64,
+        dtype="bfloat16",
+        progress=False,
+        layout="blocked",
+    )
+    recipe = Recipe.parse("gate_proj=4,up_proj=4,down_proj=4", group_size=64)
+    theirs = two_turns(resident_model(hf, recipe, "bfloat16"))
+    warm(out)
+    measured = memory._process_bytes()  # the plan's and load's alike
+    monkeypatch.setattr(loader, "_process_bytes", lambda: measured)
+    base = plan_for(out, RuntimeConfig(backend="mapped"))
+    record = base.slot_bytes  # one record in every layer
+    layers_of = load_manifest(out).layers
+    for window in (0, 3):  # without a budget every record stays mapped
+        budget = base.total + window * record if window else None
+        model, _ = moestream.load(out, backend="mapped", memory_budget=budget)
+        assert moestream.runtime_of(model).plan.window == window
+        assert mx.array_equal(two_turns(model), theirs).item()
+        kept = window or layers_of[0].num_experts
+        for x in layers_of:
+            resident = mapped_kb((out / x.file).resolve()) * 1024
+            # (a record's pages leave with 64 KB either side)
+            assert resident <= kept * x.record_nbytes + (kept + 1) * (128 << 10)
+            assert window or resident >= kept * x.record_nbytes
+        del model
+        gc.collect()
+    with pytest.raises(BudgetError, match="fewer than the 2 a decode step routes to"):
+        moestream.load(out, backend="mapped", memory_budget=base.total + record)

@@ -36,6 +36,7 @@ from .memory import (
     BudgetError,
     MemoryPlan,
     available_memory,
+    mapped_window,
     plan_memory,
 )
 
@@ -387,11 +388,15 @@ def _plan_slots(
     )
 
 
-def _plan_mapped(cfg: RuntimeConfig, *args: object) -> MemoryPlan:
-    """The mapped backend: no slots; the budget holds the rest."""
+def _plan_mapped(
+    cfg: RuntimeConfig, manifest: Manifest, model_config: dict, *args: object
+) -> MemoryPlan:
+    """The mapped backend: no slots; under a budget, what it holds past the
+    rest is the records each layer keeps mapped (MemoryPlan.window)."""
     budget = parse_size(cfg.memory_budget) if cfg.memory_budget is not None else None
-    plan = _plan_slots(replace(cfg, memory_budget=None), *args)  # type: ignore[arg-type]
-    plan = replace(plan, capacity=0, budget=budget, mapped=True)
+    plan = _plan_slots(replace(cfg, memory_budget=None), manifest, model_config, *args)  # type: ignore[arg-type]
+    record = sum(layer.record_nbytes for layer in manifest.layers)
+    plan = replace(plan, capacity=0, budget=budget, mapped=True, slot_bytes=record)
     if budget is not None and plan.total > budget:
         raise BudgetError(
             f"Dense weights, KV cache and activations need "
@@ -399,7 +404,9 @@ def _plan_mapped(cfg: RuntimeConfig, *args: object) -> MemoryPlan:
             f"{human_bytes(budget)}; give --memory-budget "
             f"{human_bytes(plan.total, up=True)} or more, or a shorter --context."
         )
-    return plan
+    if budget is None or record == 0:
+        return plan
+    return replace(plan, window=mapped_window(plan, model_config))
 
 
 def _plan_host_tier(

@@ -62,6 +62,9 @@ class MemoryPlan:
     host_budget: int | None = None
     host_pinned: bool = False
     mapped: bool = False  # the cpu-mapped backend: no slots (capacity 0)
+    # Mapped under a budget: the records a layer keeps in the page tables
+    # (csrc/mapped_window.h), `slot_bytes` each in every layer; 0: all.
+    window: int = 0
     # The fast arithmetic (runtime/fast.py), per slot of the largest layer:
     # its projections' weights dequantized to the compute dtype, twice. A fast
     # call dequantizes its layer's slots, one layer and one projection at a
@@ -80,7 +83,7 @@ class MemoryPlan:
 
     @property
     def pools(self) -> int:
-        return self.slot_bytes * self.capacity
+        return self.slot_bytes * (self.window if self.mapped else self.capacity)
 
     @property
     def fast_scratch(self) -> int:
@@ -143,6 +146,24 @@ def _budget_holding(unreserved: int, growth: float = 0.0) -> int:
     while budget - 1 - reserve_for(budget - 1) >= (1 + growth) * unreserved:
         budget -= 1
     return budget
+
+
+def mapped_window(plan: MemoryPlan, config: dict) -> int:
+    """The records each layer of a mapped plan keeps mapped under its budget
+    (`slot_bytes` one in every layer): what the budget holds past the rest,
+    at least a decode step's experts."""
+    budget = plan.budget or 0
+    window = min(plan.num_experts, (budget - plan.total) // plan.slot_bytes)
+    least = min(plan.num_experts, plan.concurrency * get_family(config).top_k(config))
+    if window < least:
+        more = human_bytes(plan.total + least * plan.slot_bytes, up=True)
+        raise BudgetError(
+            f"--memory-budget {human_bytes(budget)} keeps "
+            f"{count(window, 'expert record')} a layer mapped, fewer than the "
+            f"{least} a decode step routes to; give --memory-budget {more} or "
+            "more, or no budget (the page cache holds the experts)."
+        )
+    return window
 
 
 def reserve_for(budget: int | None) -> int:

@@ -166,7 +166,8 @@ def expert_cache(
     )
     if not mapped:
         cache.bind(slots, plan.gpu)
-    _tune(cache, tier, t.device_resolve, t.readers, mapped)
+    window = plan.memory.window if mapped else 0
+    _tune(cache, tier, t.device_resolve, t.readers, mapped, window)
     return cache
 
 
@@ -189,14 +190,16 @@ def _tune(
     device_resolve: bool,
     readers: int,
     mapped: bool,
+    window: int = 0,
 ) -> None:
     """Set the plan's knobs on a new cache, its host tier too. With mapped it
-    maps its blob: one line where that is shorter than its records."""
+    maps its blob, keeping `window` records mapped (0: all): one line where
+    the blob is shorter than its records."""
     cache.device_resolve = device_resolve  # type: ignore[attr-defined]
     cache.readers = readers  # type: ignore[attr-defined]
     if mapped:
         try:
-            cache.map_blob()  # type: ignore[attr-defined]
+            cache.map_blob(window)  # type: ignore[attr-defined]
         except ValueError as e:
             raise ExpertReadError(str(e)) from None
     if tier is not None:
