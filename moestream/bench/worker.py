@@ -132,9 +132,10 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
     context = job.prompt_tokens + job.decode_tokens + 1
     if job.runtime.verify:  # as load will: its read buffers stay in RSS
         check_files(out, load_manifest(out))
-    # Mapped: no slots, so no budget of them (the page cache holds experts).
+    # Mapped: no slots; the budget that holds `capacity` of them holds its
+    # window of records kept mapped instead (the page cache holds the rest).
     mapped = job.runtime.backend == "mapped"
-    budget = None if mapped else budget_for(out, job.capacity, context, job.runtime)
+    budget = budget_for(out, job.capacity, context, job.runtime)
     gc.collect()
     # The model's routers cannot predict forced routes: prefetch runs on the
     # trace's recorded predictions, or not at all when it has none.
@@ -183,7 +184,7 @@ def _streaming_result(job: Job, runtime: object, n: int) -> dict:
         **s.as_dict(),
         "bytes_per_token": s.bytes_read / max(n, 1),
         "fill_bytes_per_token": s.fill_bytes / max(n, 1),
-        "budget": plan.total if plan.mapped else plan.budget,
+        "budget": plan.budget or plan.total,
         "capacity": plan.capacity,
         "host_tier": plan.host_tier,
         "replay": replay_all(s.routing(), capacity, t.policy, t.lrfu_decay),
