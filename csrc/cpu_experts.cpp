@@ -1533,8 +1533,13 @@ static void run_in_place(const float* x, const uint32_t* expert,
   std::vector<char> failed(routed.size(), 0);
   parallel_for(int(routed.size()), threads, [&](int i) {
     auto [e, slot] = routed[i];
-    if (slot >= 0 || slot == kInWindow) {
-      slot >= 0 ? from_slot(e, slot) : (at[e] = view.record(e), one(e));
+    if (slot >= 0) {
+      from_slot(e, slot);
+      return;
+    }
+    if (slot == kInWindow) {
+      at[e] = view.record(e);
+      one(e);
       return;
     }
     try { // (a mapped blob's records are read and checked by its call)
@@ -1582,7 +1587,6 @@ static void run_mapped(const float* xp, const uint32_t* expert,
               threads);
     return;
   }
-  // The pairs whose records are here first, while the rest are read.
   std::vector<int64_t> ready, later;
   for (int64_t p = 0; p < pairs; p++) {
     (pending->in_flight[expert[p]] ? later : ready).push_back(p);
