@@ -374,9 +374,10 @@ def test_a_mapped_layer_under_a_budget_keeps_only_its_window_mapped(
     the budget holds each layer's window of records kept in the page tables,
     the most recently routed. A prompt past the window reads the others one
     a thread and lets them go; after every call the records out of the window
-    leave. The logits are the resident model's through a prompt, decode steps
-    and a second prompt; a budget that holds fewer records than a decode step
-    routes to is one line."""
+    leave. Over blocked records it is the default under a budget that does
+    not hold a slot for every expert. The logits are the resident model's
+    through a prompt, decode steps and a second prompt; a budget that holds
+    fewer records than a decode step routes to is one line."""
     geometry = {"num_hidden_layers": 2, "mlp_only_layers": []}
     hf = tiny_qwen3_moe(tmp_path / "hf", moe_intermediate_size=1024, **geometry)
     out = tmp_path / "out"
@@ -398,8 +399,12 @@ def test_a_mapped_layer_under_a_budget_keeps_only_its_window_mapped(
     record = base.slot_bytes  # one record in every layer
     layers_of = load_manifest(out).layers
     for window in (0, 3):  # without a budget every record stays mapped
-        budget = base.total + window * record if window else None
-        model, _ = moestream.load(out, backend="mapped", memory_budget=budget)
+        # under a budget over blocked records, mapped is the default
+        options = {"memory_budget": base.total + window * record} if window else {}
+        model, _ = moestream.load(
+            out, backend="mapped" if not window else "auto", **options
+        )
+        assert moestream.runtime_of(model).plan.mapped
         assert moestream.runtime_of(model).plan.window == window
         assert mx.array_equal(two_turns(model), theirs).item()
         kept = window or layers_of[0].num_experts
@@ -410,5 +415,9 @@ def test_a_mapped_layer_under_a_budget_keeps_only_its_window_mapped(
             assert window or resident >= kept * x.record_nbytes
         del model
         gc.collect()
+    slots, _ = moestream.load(
+        out, backend="slots", memory_budget=base.total + 3 * record
+    )
+    assert not moestream.runtime_of(slots).plan.mapped
     with pytest.raises(BudgetError, match="fewer than the 2 a decode step routes to"):
         moestream.load(out, backend="mapped", memory_budget=base.total + record)
