@@ -38,6 +38,7 @@ from .memory import (
     available_memory,
     mapped_window,
     plan_memory,
+    reserve_for,
 )
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,9 @@ class ExecutionPlan:
         """The plan in words, part by part: the same words everywhere."""
         m = self.memory
         words = [self.backend]
-        if self.mapped:
+        if self.mapped and m.window:
+            words.append(f"experts mapped, {m.window} a layer kept in the page tables")
+        elif self.mapped:
             words.append("experts mapped (the page cache holds them)")
             if not self.blocked_records:  # what the kernel reads faster
                 words.append("records as rows (convert-moe --layout blocked: faster)")
@@ -400,6 +403,8 @@ def _plan_mapped(
     plan = _plan_slots(replace(cfg, memory_budget=None), manifest, model_config, *args)  # type: ignore[arg-type]
     record = sum(layer.record_nbytes for layer in manifest.layers)
     plan = replace(plan, capacity=0, budget=budget, mapped=True, slot_bytes=record)
+    if budget is not None:  # the budget's own reserve, as the slots' plan keeps
+        plan = replace(plan, reserve=reserve_for(budget))
     if budget is not None and plan.total > budget:
         raise BudgetError(
             f"Dense weights, KV cache and activations need "

@@ -112,7 +112,9 @@ class MemoryPlan:
             f"{h(self.kv_cache)}{seqs} + activations {h(self.activations)} + staging "
             f"{h(self.staging)} + reserve {h(self.reserve)} + experts "
             + (
-                "mapped (the page cache holds them)"
+                f"{h(self.pools)} mapped ({self.window}/{self.num_experts} per layer)"
+                if self.window
+                else "mapped (the page cache holds them)"
                 if self.mapped
                 else f"{h(self.pools)} ({self.capacity}/{self.num_experts} per layer)"
             )
