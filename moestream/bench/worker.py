@@ -132,9 +132,8 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
     context = job.prompt_tokens + job.decode_tokens + 1
     if job.runtime.verify:  # as load will: its read buffers stay in RSS
         check_files(out, load_manifest(out))
-    # Mapped: no slots; the budget that holds `capacity` of them holds its
-    # window of records kept mapped instead (the page cache holds the rest).
-    mapped = job.runtime.backend == "mapped"
+    # Mapped (asked for, or what auto picks): no slots; the budget that holds
+    # `capacity` of them holds its window of records kept mapped instead.
     budget = budget_for(out, job.capacity, context, job.runtime)
     gc.collect()
     # The model's routers cannot predict forced routes: prefetch runs on the
@@ -142,7 +141,9 @@ def _model(job: Job, tokenizer: object) -> tuple[object, object | None]:
     trace = load_trace(job.trace) if job.trace else None
     predicts = trace is None or trace.predicts
     options = job.runtime.with_options(
-        cache_experts=None if mapped else job.capacity,
+        # The budget alone, as a user gives it (it holds exactly `capacity`
+        # slots), unless slots were asked for by name.
+        cache_experts=job.capacity if job.runtime.backend == "slots" else None,
         memory_budget=budget,
         context=context,
         record_trace=True,
