@@ -341,8 +341,7 @@ def _mapped_by_default(
 ) -> bool:
     """backend "auto": mapped where a CPU's slots (the default's, or a
     budget's over blocked records) cannot hold every expert and the kernel
-    covers every layer (nothing slot-bound was asked). Under a quarter's
-    budget mapped measured 1.02-1.07x the slots (docs/options.md)."""
+    covers every layer (nothing slot-bound was asked); docs/options.md."""
     return (
         memory.capacity < memory.num_experts
         and cfg.arithmetic == "exact"
