@@ -1455,6 +1455,28 @@ static const uint32_t* expert_ids(const mx::array& ids, int experts) {
   return expert;
 }
 
+// One call of ExpertMlp on records (a mapped cache's, or a CPU slot
+// cache's in place): its activations, routing and output, the records'
+// projections and kernels, its threads and cache.
+struct RecordCall {
+  const float* x;
+  const uint32_t* expert; // per pair
+  uint32_t experts;
+  int64_t pairs, k, d_in, hidden, d_out;
+  const std::vector<MappedProjection>& proj;
+  const Kernels (&fn)[3];
+  float* y;
+  int threads;
+  ExpertCache& cache;
+
+  // The pairs of `which` (n of them; all where null) on `threads`.
+  void run(const MatFn& mat, const Kernels (&kernels)[3], int64_t n,
+           int on_threads, const int64_t* which = nullptr) const {
+    run_calls(x, expert, experts, n, k, d_in, hidden, d_out, mat, kernels, y,
+              on_threads, which);
+  }
+};
+
 // An in-place call's expert whose record a mapped layer's window keeps
 // mapped (MappedWindow): read where it is, left mapped.
 constexpr int kInWindow = -2;
@@ -1497,41 +1519,36 @@ static SlotSource slot_source(const SlotArrays& memory,
 // mapped at once than threads run. A record that fails to map is mapped
 // again afterwards on this thread by the cache (map_in_place), which reads
 // it and says what failed.
-static void run_in_place(const float* x, const uint32_t* expert,
-                         uint32_t experts, int64_t k, int64_t d_in,
-                         int64_t hidden, int64_t d_out,
-                         const std::vector<MappedProjection>& proj,
-                         const Kernels (&fn)[3], float* y, int threads,
-                         ExpertCache& cache,
-                         const std::vector<std::pair<int, int>>& routed,
-                         int64_t pairs) {
+static void run_in_place(const RecordCall& c,
+                         const std::vector<std::pair<int, int>>& routed) {
+  const uint32_t* expert = c.expert;
+  ExpertCache& cache = c.cache;
   const bool mapped = cache.mapped(); // a mapped blob's window, not slots
-  std::vector<std::vector<int64_t>> of(experts);
-  for (int64_t p = 0; p < pairs; p++) {
+  std::vector<std::vector<int64_t>> of(c.experts);
+  for (int64_t p = 0; p < c.pairs; p++) {
     of[expert[p]].push_back(p);
   }
-  std::vector<const uint8_t*> at(experts, nullptr);
+  std::vector<const uint8_t*> at(c.experts, nullptr);
   auto mat = [&](int p, int64_t pair) {
-    return record_matrix(proj[p], at[expert[pair]]);
+    return record_matrix(c.proj[p], at[expert[pair]]);
   };
   auto one = [&](int e) {
-    run_calls(x, expert, experts, int64_t(of[e].size()), k, d_in, hidden,
-              d_out, mat, fn, y, 1, of[e].data());
+    c.run(mat, c.fn, int64_t(of[e].size()), 1, of[e].data());
   };
-  const SlotSource src = mapped ? SlotSource{} : slot_source(cache.memory, proj);
+  const SlotSource src =
+      mapped ? SlotSource{} : slot_source(cache.memory, c.proj);
   auto from_slot = [&](int e, int slot) {
     auto in_slot = [&](int p, int64_t) {
       auto& part = src.part[p];
-      return matrix(*part[0], *part[1], *part[2], proj[p].spec, slot);
+      return matrix(*part[0], *part[1], *part[2], c.proj[p].spec, slot);
     };
-    run_calls(x, expert, experts, int64_t(of[e].size()), k, d_in, hidden,
-              d_out, in_slot, src.fn, y, 1, of[e].data());
+    c.run(in_slot, src.fn, int64_t(of[e].size()), 1, of[e].data());
   };
   const MappedBlob& view =
       mapped ? *cache.reader().mapped() : cache.pending_fills().view();
   const int64_t nbytes = cache.record_nbytes;
   std::vector<char> failed(routed.size(), 0);
-  parallel_for(int(routed.size()), threads, [&](int i) {
+  parallel_for(int(routed.size()), c.threads, [&](int i) {
     auto [e, slot] = routed[i];
     if (slot >= 0) {
       from_slot(e, slot);
@@ -1572,30 +1589,23 @@ static void run_in_place(const float* x, const uint32_t* expert,
 
 // A mapped cache's call: its pairs whose records are here first, while the
 // rest are read (MappedReads), then those.
-static void run_mapped(const float* xp, const uint32_t* expert,
-                       uint32_t experts, int64_t k, int64_t d_in,
-                       int64_t hidden, int64_t d_out,
-                       const std::vector<MappedProjection>& proj,
-                       const Kernels (&fn)[3], float* y, int threads,
-                       ExpertCache& cache, int64_t pairs) {
+static void run_mapped(const RecordCall& c) {
   auto mat = [&](int p, int64_t pair) {
-    return record_matrix(proj[p], cache.mapped_record(int(expert[pair])));
+    const uint8_t* record = c.cache.mapped_record(int(c.expert[pair]));
+    return record_matrix(c.proj[p], record);
   };
-  auto pending = cache.take_pending();
+  auto pending = c.cache.take_pending();
   if (!pending) {
-    run_calls(xp, expert, experts, pairs, k, d_in, hidden, d_out, mat, fn, y,
-              threads);
+    c.run(mat, c.fn, c.pairs, c.threads);
     return;
   }
   std::vector<int64_t> ready, later;
-  for (int64_t p = 0; p < pairs; p++) {
-    (pending->in_flight[expert[p]] ? later : ready).push_back(p);
+  for (int64_t p = 0; p < c.pairs; p++) {
+    (pending->in_flight[c.expert[p]] ? later : ready).push_back(p);
   }
-  run_calls(xp, expert, experts, int64_t(ready.size()), k, d_in, hidden, d_out,
-            mat, fn, y, threads, ready.data());
-  cache.finish(*pending);
-  run_calls(xp, expert, experts, int64_t(later.size()), k, d_in, hidden, d_out,
-            mat, fn, y, threads, later.data());
+  c.run(mat, c.fn, int64_t(ready.size()), c.threads, ready.data());
+  c.cache.finish(*pending);
+  c.run(mat, c.fn, int64_t(later.size()), c.threads, later.data());
 }
 
 // A mapped cache's call under a memory budget (MappedWindow): one of no
@@ -1604,26 +1614,21 @@ static void run_mapped(const float* xp, const uint32_t* expert,
 // on one thread, letting it go after (run_in_place). Then the window takes
 // the call's experts, and the records it no longer holds leave the page
 // tables.
-static void run_windowed(const float* xp, const uint32_t* expert,
-                         uint32_t experts, int64_t k, int64_t d_in,
-                         int64_t hidden, int64_t d_out,
-                         const std::vector<MappedProjection>& proj,
-                         const Kernels (&fn)[3], float* y, int threads,
-                         ExpertCache& cache, int64_t pairs) {
+static void run_windowed(const RecordCall& c) {
+  ExpertCache& cache = c.cache;
   MappedWindow& window = cache.window;
-  std::vector<char> seen(experts, 0);
+  std::vector<char> seen(c.experts, 0);
   std::vector<int> unique;
-  for (int64_t p = 0; p < pairs; p++) {
-    if (!seen[expert[p]]) {
-      seen[expert[p]] = 1;
-      unique.push_back(int(expert[p]));
+  for (int64_t p = 0; p < c.pairs; p++) {
+    if (!seen[c.expert[p]]) {
+      seen[c.expert[p]] = 1;
+      unique.push_back(int(c.expert[p]));
     }
   }
   std::stable_partition(unique.begin(), unique.end(),
                         [&](int e) { return window.holds(e); });
   if (int(unique.size()) <= window.capacity()) {
-    run_mapped(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
-               threads, cache, pairs);
+    run_mapped(c);
   } else {
     if (auto pending = cache.take_pending()) {
       cache.finish(*pending);
@@ -1632,8 +1637,7 @@ static void run_windowed(const float* xp, const uint32_t* expert,
     for (int e : unique) {
       routed.push_back({e, window.holds(e) ? kInWindow : -1});
     }
-    run_in_place(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
-                 threads, cache, routed, pairs);
+    run_in_place(c, routed);
   }
   window.used(unique);
   for (int e : window.over()) {
@@ -1660,19 +1664,15 @@ static void expert_mlp_records_run(const std::vector<mx::array>& in,
   const float* xp = row_major(x, xt);
   float* y = out.data<float>();
   int64_t hidden = proj[0].rows, d_out = proj[2].rows;
+  const RecordCall c{xp,    expert, experts, pairs, k,     d_in, hidden,
+                     d_out, proj,   fn,      y,     threads, cache};
   if (in_place) {
-    auto routed = cache.in_place(expert, pairs, int(x.shape(0)), call);
-    run_in_place(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
-                 threads, cache, routed, pairs);
-    return;
+    run_in_place(c, cache.in_place(expert, pairs, int(x.shape(0)), call));
+  } else if (cache.window.on()) {
+    run_windowed(c);
+  } else {
+    run_mapped(c);
   }
-  if (cache.window.on()) {
-    run_windowed(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
-                 threads, cache, pairs);
-    return;
-  }
-  run_mapped(xp, expert, experts, k, d_in, hidden, d_out, proj, fn, y,
-             threads, cache, pairs);
 }
 
 void ExpertMlp::eval_cpu(const std::vector<mx::array>& inputs,
