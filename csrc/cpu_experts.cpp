@@ -1612,21 +1612,19 @@ static void run_mapped(const RecordCall& c) {
 // more experts than the window runs as any mapped call; a larger one (a
 // prefill) reads the window's records where they are and each other record
 // on one thread, letting it go after (run_in_place). Then the window takes
-// the call's experts, and the records it no longer holds leave the page
-// tables.
+// the call's experts, the last tokens' first, and the records it no longer
+// holds leave the page tables.
 static void run_windowed(const RecordCall& c) {
   ExpertCache& cache = c.cache;
   MappedWindow& window = cache.window;
   std::vector<char> seen(c.experts, 0);
-  std::vector<int> unique;
-  for (int64_t p = 0; p < c.pairs; p++) {
+  std::vector<int> unique; // the most recently routed first: the last token's
+  for (int64_t p = c.pairs - 1; p >= 0; p--) {
     if (!seen[c.expert[p]]) {
       seen[c.expert[p]] = 1;
       unique.push_back(int(c.expert[p]));
     }
   }
-  std::stable_partition(unique.begin(), unique.end(),
-                        [&](int e) { return window.holds(e); });
   if (int(unique.size()) <= window.capacity()) {
     run_mapped(c);
   } else {
