@@ -1491,6 +1491,9 @@ struct SlotSource {
 
 static SlotSource slot_source(const SlotArrays& memory,
                               const std::vector<MappedProjection>& proj) {
+  if (memory.on_gpu) {
+    throw std::logic_error("in-place call: its slots are on a GPU");
+  }
   SlotSource src;
   for (int p = 0; p < 3; p++) {
     const int64_t at[3] = {proj[p].weight, proj[p].scales, proj[p].biases};
@@ -1503,7 +1506,7 @@ static SlotSource slot_source(const SlotArrays& memory,
           blocked = blocked || (j == 0 && memory.segments[i].slot_blocked);
         }
       }
-      if (!src.part[p][j] || memory.on_gpu) {
+      if (!src.part[p][j]) {
         throw std::logic_error("in-place call: the slots lack a record segment");
       }
     }

@@ -158,7 +158,8 @@ std::vector<std::pair<int, int>> ExpertCache::in_place(const uint32_t* experts,
   if (rec) {
     rec->prefetched = log.take_hinted();
   }
-  for (int e : distinct(experts, n, seen)) {
+  const std::vector<int> unique = distinct(experts, n, seen);
+  for (int e : unique) {
     routed.push_back({e, table_.slot(e)});
     count(e, routed.back().second >= 0, rec);
     if (routed.back().second >= 0) { // computed from its slot
@@ -174,10 +175,6 @@ std::vector<std::pair<int, int>> ExpertCache::in_place(const uint32_t* experts,
     if (rec) {
       rec->bytes_read += record_nbytes;
     }
-  }
-  std::vector<int> unique;
-  for (auto [e, s] : routed) {
-    unique.push_back(e);
   }
   table_.used(unique, tokens);
   if (rec) {

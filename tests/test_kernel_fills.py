@@ -10,6 +10,7 @@ not yet checked, one with a failure) is read as before."""
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -418,6 +419,12 @@ def test_a_mapped_layer_under_a_budget_keeps_only_its_window_mapped(
             assert window or resident >= kept * x.record_nbytes
         del model
         gc.collect()
+    # a prompt past the window maps a record a kernel thread, as past slots
+    largest = max(x.record_nbytes for x in layers_of)
+    cfg = RuntimeConfig(backend="mapped", memory_budget=base.total + 8 * record)
+    for threads, records in ((1, 2), (5, 5)):
+        plan = plan_for(out, replace(cfg, tuning={"kernel_threads": threads}))
+        assert plan.staging == records * largest
     slots, _ = moestream.load(
         out, backend="slots", memory_budget=base.total + 3 * record
     )

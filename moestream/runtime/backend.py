@@ -98,10 +98,12 @@ class ExecutionPlan:
         """The plan in words, part by part: the same words everywhere."""
         m = self.memory
         words = [self.backend]
-        if self.mapped and m.window:
-            words.append(f"experts mapped, {m.window} a layer kept in the page tables")
-        elif self.mapped:
-            words.append("experts mapped (the page cache holds them)")
+        if self.mapped:
+            words.append(
+                f"experts mapped, {m.window} a layer kept in the page tables"
+                if m.window
+                else "experts mapped (the page cache holds them)"
+            )
             if not self.blocked_records:  # what the kernel reads faster
                 words.append("records as rows (convert-moe --layout blocked: faster)")
         else:
@@ -217,9 +219,8 @@ def _plan_memory(
         and cfg.arithmetic == "exact"
         and all(native.covers(inner) for inner in switches)
     )
-    memory = _plan_slots(
-        cfg, *args, blocked=blocked, staging_records=_staging(cfg, blocked, engine)
-    )
+    staging = _staging(cfg, in_place=blocked and engine == "native")
+    memory = _plan_slots(cfg, *args, blocked=blocked, staging_records=staging)
     if cfg.backend == "auto" and _mapped_by_default(
         cfg, memory, engine, gpu, compute, kernel, switches, args[0].blocked
     ):
@@ -356,10 +357,11 @@ def _mapped_by_default(
     )
 
 
-def _staging(cfg: RuntimeConfig, blocked: bool, engine: str) -> int:
-    """Records read, or mapped in, at once: a prefill past the native
-    engine's blocked CPU slots maps one record per kernel thread."""
-    if not (blocked and engine == "native"):
+def _staging(cfg: RuntimeConfig, in_place: bool) -> int:
+    """Records read, or mapped in, at once: a call past a layer's blocked CPU
+    slots, or past a mapped layer's window (`in_place`), maps one record per
+    kernel thread."""
+    if not in_place:
         return STAGING_RECORDS
     return max(STAGING_RECORDS, cfg.tuning.kernel_threads or os.cpu_count() or 1)
 
@@ -399,21 +401,28 @@ def _plan_mapped(
     """The mapped backend: no slots; under a budget, what it holds past the
     rest is the records each layer keeps mapped (MemoryPlan.window)."""
     budget = parse_size(cfg.memory_budget) if cfg.memory_budget is not None else None
-    plan = _plan_slots(replace(cfg, memory_budget=None), manifest, model_config, *args)  # type: ignore[arg-type]
+    unbounded = replace(cfg, memory_budget=None)
+    staging = _staging(cfg, in_place=budget is not None)  # the window's prefill
+    plan = _plan_slots(
+        unbounded,
+        manifest,
+        model_config,
+        *args,  # type: ignore[arg-type]
+        staging_records=staging,
+    )
     record = sum(layer.record_nbytes for layer in manifest.layers)
     plan = replace(plan, capacity=0, budget=budget, mapped=True, slot_bytes=record)
-    if budget is not None:  # the budget's own reserve, as the slots' plan keeps
-        plan = replace(plan, reserve=reserve_for(budget))
-    if budget is not None and plan.total > budget:
+    if budget is None:
+        return plan
+    plan = replace(plan, reserve=reserve_for(budget))  # as the slots' plan keeps
+    if plan.total > budget:
         raise BudgetError(
             f"Dense weights, KV cache and activations need "
             f"{human_bytes(plan.total, up=True)}, more than the budget "
             f"{human_bytes(budget)}; give --memory-budget "
             f"{human_bytes(plan.total, up=True)} or more, or a shorter --context."
         )
-    if budget is None or record == 0:
-        return plan
-    return replace(plan, window=mapped_window(plan, model_config))
+    return replace(plan, window=mapped_window(plan, model_config)) if record else plan
 
 
 def _plan_host_tier(
