@@ -228,3 +228,41 @@ def test_serve_seed_answers_as_mlx_lm_server(models) -> None:
         got = [completion(s.url, seed) for seed in seeds]
     assert got == want
     assert want[0] == want[2] != want[1]
+
+
+@pytest.mark.skipif(
+    not native.available() or not native.kernel_matches_mlx(),
+    reason="the native engine or its exact CPU kernel is not here",
+)
+def test_a_budget_over_blocked_records_seed_prints_mlx_lm_generate(
+    models, mlx_lm_texts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records stored blocked under a budget of three records a layer: mapped
+    by default, each layer's window kept mapped, the prompt past it read in
+    place; what it draws is what mlx-lm draws."""
+    from moestream.runtime import RuntimeConfig, loader, memory
+    from moestream.runtime.loader import plan_for
+
+    family = "qwen3_moe"
+    blocked = tmp_path / "blocked"
+    relayout(models[family][0], blocked, "blocked", progress=False)
+    measured = memory._process_bytes()  # the plan's and load's alike
+    monkeypatch.setattr(loader, "_process_bytes", lambda: measured)
+
+    def run(seed: int, *flags: str) -> tuple[dict, str]:
+        args = [str(blocked), *generate_args(seed), "--json", "--stats", *flags]
+        r = CliRunner().invoke(run_moe, args)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+    # run-moe's context: the prompt's tokens and the tokens it may generate
+    prompt = run(SEEDS[0], "--backend", "mapped")[0]["stats"]["prompt_tokens"]
+    cfg = RuntimeConfig(backend="mapped", context=prompt + SAMPLED_TOKENS)
+    base = plan_for(blocked, cfg)
+    budget = str(base.total + 3 * base.slot_bytes + base.slot_bytes // 2)
+    texts = []
+    for s in SEEDS:
+        result, stderr = run(s, "--memory-budget", budget)
+        assert "cpu-mapped, experts mapped, 3 a layer kept" in stderr
+        texts.append(result["text"])
+    assert texts == [mlx_lm_texts[family, s] for s in SEEDS]
