@@ -1515,13 +1515,26 @@ static SlotSource slot_source(const SlotArrays& memory,
   return src;
 }
 
-// An in-place call's experts (a CPU slot cache's prefill past its slots),
-// each on one thread from start to end: its record mapped in (or its slot,
-// where one holds it), its pairs' gate, up, SwiGLU and down, its record let
-// go. No thread waits for another between experts, and no more records are
-// mapped at once than threads run. A record that fails to map is mapped
-// again afterwards on this thread by the cache (map_in_place), which reads
-// it and says what failed.
+// A record's pages mapped in from the page cache: false where that failed,
+// its pages let go again.
+static bool populated(const MappedBlob& view, int expert, int64_t nbytes) {
+  try {
+    view.populate(expert, view.record(expert), nbytes);
+  } catch (const std::exception&) {
+    view.unmap_record(expert);
+    return false;
+  }
+  return true;
+}
+
+// An in-place call's experts (a CPU slot cache's prefill past its slots, or
+// a mapped call wider than its window), each on one thread from start to
+// end: its record mapped in (a mapped blob's checked there the first time;
+// its slot, where one holds it), its pairs' gate, up, SwiGLU and down, its
+// record let go. No thread waits for another between experts, and no more
+// records are mapped at once than threads run. A record that fails to map
+// is mapped again afterwards on this thread by the cache (map_in_place),
+// which says what failed.
 static void run_in_place(const RecordCall& c,
                          const std::vector<std::pair<int, int>>& routed) {
   const uint32_t* expert = c.expert;
@@ -1562,12 +1575,7 @@ static void run_in_place(const RecordCall& c,
       one(e);
       return;
     }
-    try { // (a mapped blob's records are read and checked by its call)
-      if (!mapped) {
-        view.populate(e, view.record(e), nbytes);
-      }
-    } catch (const std::exception&) {
-      view.unmap_record(e);
+    if (mapped ? !map_here(cache.reader(), e) : !populated(view, e, nbytes)) {
       failed[i] = 1;
       return;
     }
@@ -1613,8 +1621,9 @@ static void run_mapped(const RecordCall& c) {
 
 // A mapped cache's call under a memory budget (MappedWindow): one of no
 // more experts than the window runs as any mapped call; a larger one (a
-// prefill) reads the window's records where they are and each other record
-// on one thread, letting it go after (run_in_place). Then the window takes
+// prefill) reads the window's records where they are and maps in, checks
+// and computes each other record on one thread, letting it go after
+// (run_in_place; its fetch left those unread). Then the window takes
 // the call's experts, the last tokens' first, and the records it no longer
 // holds leave the page tables.
 static void run_windowed(const RecordCall& c) {

@@ -59,27 +59,6 @@ std::vector<int> ExpertCache::distinct(const uint32_t* experts, int64_t n,
   return unique;
 }
 
-void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
-                                 int tokens, uint32_t* out, CallRecord* rec) {
-  if (auto pending = mapped_reads_.take()) { // a call whose kernel never ran
-    mapped_reads_.finish(*pending);
-  }
-  std::vector<char> seen(num_experts, 0);
-  std::vector<int> unique = distinct(experts, n, seen);
-  if (rec) {
-    rec->prefetched = log.take_hinted();
-  }
-  mapped_reads_.call(unique, shared_from_this(), [&](int e, int64_t absent) {
-    count(e, absent == 0, rec);
-    counters.bytes_read += absent;
-    if (rec) {
-      rec->bytes_read += absent;
-    }
-  });
-  table_.used(unique, tokens);
-  std::copy(experts, experts + n, out);
-}
-
 void ExpertCache::hint(const uint32_t* experts, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     uint32_t e = experts[i];

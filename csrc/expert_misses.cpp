@@ -1,8 +1,10 @@
 // ExpertCache's calls whose misses are read after the slot table has given
 // them their slots: through the host tier's readers, or several records at
-// once into CPU slots; and the calls computed from the records in place.
+// once into CPU slots; the calls computed from the records in place, and a
+// mapped blob's calls.
 #include "expert_cache.h"
 
+#include <algorithm>
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -183,9 +185,39 @@ std::vector<std::pair<int, int>> ExpertCache::in_place(const uint32_t* experts,
   return routed;
 }
 
+void ExpertCache::resolve_mapped(const uint32_t* experts, int64_t n,
+                                 int tokens, uint32_t* out, CallRecord* rec) {
+  if (auto pending = mapped_reads_.take()) { // a call whose kernel never ran
+    mapped_reads_.finish(*pending);
+  }
+  std::vector<char> seen(num_experts, 0);
+  std::vector<int> unique = distinct(experts, n, seen);
+  if (rec) {
+    rec->prefetched = log.take_hinted();
+  }
+  // A call wider than the window: the kernel maps in (and checks) each
+  // record the window does not hold on one thread, so no more are mapped
+  // at once than its threads and the window's (run_windowed).
+  const bool wide = window.on() && int(unique.size()) > window.capacity();
+  auto kernel_maps = [&](int e) { return wide && !window.holds(e); };
+  mapped_reads_.call(unique, shared_from_this(), [&](int e, int64_t absent) {
+    count(e, absent == 0, rec);
+    counters.bytes_read += absent;
+    if (rec) {
+      rec->bytes_read += absent;
+    }
+  }, kernel_maps);
+  table_.used(unique, tokens);
+  std::copy(experts, experts + n, out);
+}
+
 const uint8_t* ExpertCache::map_in_place(int expert) {
-  const MappedBlob& view = fills_.view();
   in_place_.push_back(expert);
+  if (mapped()) { // read through the mapping: no read of its own
+    map_again(reader_, expert, true, reader_.check.needed(expert));
+    return mapped_record(expert);
+  }
+  const MappedBlob& view = fills_.view();
   try {
     view.populate(expert, view.record(expert), record_nbytes);
   } catch (const std::exception&) { // read it: that says what failed
@@ -198,7 +230,7 @@ const uint8_t* ExpertCache::map_in_place(int expert) {
 
 void ExpertCache::release_in_place() {
   for (int e : in_place_) {
-    fills_.view().unmap_record(e);
+    (mapped() ? *reader_.mapped() : fills_.view()).unmap_record(e);
   }
   in_place_.clear();
 }

@@ -1,6 +1,7 @@
 #include "mapped_reads.h"
 
 #include <algorithm>
+#include <exception>
 
 #include "crc32.h"
 #include "read_error.h"
@@ -10,7 +11,8 @@ namespace moestream {
 
 void MappedReads::call(const std::vector<int>& unique,
                        std::shared_ptr<void> keep,
-                       const std::function<void(int, int64_t)>& seen) {
+                       const std::function<void(int, int64_t)>& seen,
+                       const std::function<bool(int)>& kernel_maps) {
   const MappedBlob& blob = *reader_.mapped();
   std::vector<char> absent(reader_.blob.num_experts, 0);
   std::vector<int> todo;
@@ -21,7 +23,7 @@ void MappedReads::call(const std::vector<int>& unique,
       absent[e] = 1;
       blob.will_need(e);
     }
-    if (absent[e] || reader_.check.needed(e)) {
+    if ((absent[e] || reader_.check.needed(e)) && !kernel_maps(e)) {
       todo.push_back(e);
     }
   }
@@ -92,23 +94,42 @@ void MappedReads::finish(PendingReads& p) {
       }
     }
     if (!ok) {
-      again(e, p.absent[r], p.check[r] && reader_.check.needed(e));
+      map_again(reader_, e, p.absent[r], p.check[r] && reader_.check.needed(e));
     }
   }
 }
 
-void MappedReads::again(int expert, bool absent, bool check) {
-  if (reader_.injected(expert)) {
-    injected_failure(reader_.blob, expert);
+bool map_here(RecordReader& reader, int expert) {
+  if (reader.injected(expert)) {
+    return false;
   }
-  const MappedBlob& blob = *reader_.mapped();
-  int64_t n = reader_.blob.record_nbytes;
+  const MappedBlob& blob = *reader.mapped();
+  int64_t n = reader.blob.record_nbytes;
+  try {
+    blob.populate(expert, blob.record(expert), n);
+    if (reader.check.needed(expert)) {
+      uint32_t crc = crc32(blob.record(expert), n);
+      reader.check.pieces(expert, &crc, n);
+    }
+  } catch (const std::exception&) {
+    blob.unmap_record(expert);
+    return false;
+  }
+  return true;
+}
+
+void map_again(RecordReader& reader, int expert, bool absent, bool check) {
+  if (reader.injected(expert)) {
+    injected_failure(reader.blob, expert);
+  }
+  const MappedBlob& blob = *reader.mapped();
+  int64_t n = reader.blob.record_nbytes;
   if (absent) {
     blob.populate(expert, blob.record(expert), n);
   }
   if (check) {
     uint32_t crc = crc32(blob.record(expert), n);
-    reader_.check.pieces(expert, &crc, n);
+    reader.check.pieces(expert, &crc, n);
   }
 }
 

@@ -31,9 +31,12 @@ class MappedReads {
   // A call's routed records: `seen(e, absent bytes)` for each; every miss
   // asked of the kernel at once, then the misses and the records routed for
   // the first time read (and checked) on the readers, left in flight for the
-  // kernel, which computes the call's other experts meanwhile.
+  // kernel, which computes the call's other experts meanwhile. Those where
+  // `kernel_maps(e)` the kernel maps in and checks itself, a record a thread
+  // (map_here: a call wider than its layer's MappedWindow).
   void call(const std::vector<int>& unique, std::shared_ptr<void> keep,
-            const std::function<void(int, int64_t)>& seen);
+            const std::function<void(int, int64_t)>& seen,
+            const std::function<bool(int)>& kernel_maps);
   // Start reading the records of `todo` (absent[e]: map its pages in; else
   // only check it) in pieces on the readers; `keep` holds their owner alive.
   void start(const std::vector<int>& todo, const std::vector<char>& absent,
@@ -48,11 +51,16 @@ class MappedReads {
   void finish(PendingReads& pending);
 
  private:
-  // One record's pages mapped in and checked again, on this thread.
-  void again(int expert, bool absent, bool check);
-
   RecordReader& reader_;
   std::shared_ptr<PendingReads> pending_;
 };
+
+// A mapped record's pages mapped in and the record checked the first time,
+// on this thread: false where either failed (or a failure is injected), its
+// pages let go again; map_again then says why.
+bool map_here(RecordReader& reader, int expert);
+// A mapped record's pages mapped in (`absent`) and the record checked
+// (`check`) once more on this thread; a failure throws its ReadError.
+void map_again(RecordReader& reader, int expert, bool absent, bool check);
 
 } // namespace moestream

@@ -25,7 +25,14 @@ from moestream.bench.sysio import drop_cache
 from moestream.converter import convert
 from moestream.formats import Recipe, load_manifest
 from moestream.reference import resident_model
-from moestream.runtime import ExpertReadError, RuntimeConfig, loader, memory, native
+from moestream.runtime import (
+    ExpertReadError,
+    RuntimeConfig,
+    Tuning,
+    loader,
+    memory,
+    native,
+)
 from moestream.runtime.loader import BudgetError, plan_for
 from moestream.runtime.switch import StreamingSwitchGLU
 
@@ -425,3 +432,74 @@ def test_a_mapped_layer_under_a_budget_keeps_only_its_window_mapped(
     assert not moestream.runtime_of(slots).plan.mapped
     with pytest.raises(BudgetError, match="fewer than the 2 a decode step routes to"):
         moestream.load(out, backend="mapped", memory_budget=base.total + record)
+
+
+def _peak_rise(run) -> int:
+    """How far this process's peak resident memory rose above where it
+    stood while `run()` ran (Linux: /proc/self/clear_refs resets the peak)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+    def status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+        raise AssertionError(key)
+
+    before = status("VmRSS:")
+    run()
+    return status("VmHWM:") - before
+
+
+def test_a_mapped_prompt_wider_than_its_window_maps_a_record_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A prompt routed past its window whose records are checked the first
+    time (or read cold) maps them in, checks and computes them a record a
+    kernel thread, as the slots' in-place prompt does: its peak resident
+    memory rises no more than the same prompt's once every record is
+    checked, not by the layer's records. The logits are the resident
+    model's."""
+    geometry = {"num_hidden_layers": 1, "mlp_only_layers": []}
+    width = {"hidden_size": 256, "moe_intermediate_size": 2048}
+    hf = tiny_qwen3_moe(
+        tmp_path / "hf", num_experts=48, num_experts_per_tok=8, **geometry, **width
+    )
+    out = tmp_path / "out"
+    recipe = "gate_proj=4,up_proj=4,down_proj=4"
+    convert(
+        str(hf), out, recipe, 64, dtype="bfloat16", progress=False, layout="blocked"
+    )
+    warm(out)
+    measured = memory._process_bytes()
+    monkeypatch.setattr(loader, "_process_bytes", lambda: measured)
+    base = plan_for(out, RuntimeConfig(backend="mapped"))
+    record = base.slot_bytes
+    tuning = Tuning(kernel_threads=2)
+    model, _ = moestream.load(
+        out,
+        backend="mapped",
+        memory_budget=int(base.total + 10.5 * record),
+        tuning=tuning,
+    )
+    window = moestream.runtime_of(model).plan.window  # (reserves differ a little)
+    assert 10 <= window <= 12
+    prompt = mx.array([[(7 * i + 3) % 300 for i in range(96)]])
+    outs, rises = [], []
+
+    def run() -> None:
+        outs.append(model(prompt, cache=make_prompt_cache(model)))
+        mx.eval(outs[-1])
+
+    limit = mx.set_cache_limit(0)  # freed buffers leave: both peaks are live
+    try:
+        for _ in range(2):  # records checked the first time, then checked
+            rises.append(_peak_rise(run))
+    finally:
+        mx.set_cache_limit(limit)
+    # (the first may leave the window's records mapped, then a thread's each)
+    layer = load_manifest(out).layers[0]
+    assert rises[0] <= rises[1] + (window + 4) * layer.record_nbytes, rises
+    ref = resident_model(hf, Recipe.parse(recipe, group_size=64), "bfloat16")
+    theirs = ref(prompt, cache=make_prompt_cache(ref))
+    for ours in outs:
+        assert mx.array_equal(ours, theirs).item()

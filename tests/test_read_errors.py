@@ -23,7 +23,8 @@ from mlx_lm.models.cache import make_prompt_cache
 import moestream
 from moestream.cli.run import main as run_main
 from moestream.formats import load_manifest
-from moestream.runtime import ExpertReadError, native
+from moestream.runtime import ExpertReadError, RuntimeConfig, loader, memory, native
+from moestream.runtime.loader import plan_for
 
 ENGINES = ["python"] + (["native"] if native.available() else [])
 
@@ -128,19 +129,36 @@ def inject(model, engine: str, count: int) -> int:
     for expert in range(layer.num_experts):
         if engine == "python":
             rt.store.inject_read_failures(layer.layer, expert, count)
-        else:
+        else:  # the native engine's, slots or mapped
             rt.stats.native_layers[layer.layer].inject_read_failures(expert, count)
     return layer.layer
 
 
-@pytest.mark.parametrize("how", ENGINES + ["mapped"] * native.available())
-def test_injected_failures_heal_once_then_fail(copy, reference, how: str) -> None:
+def window_budget(path: Path, window: int, monkeypatch) -> int:
+    """A memory budget that keeps `window` records a layer mapped (the
+    process's bytes fixed, so the plan does not move between loads)."""
+    measured = memory._process_bytes()
+    monkeypatch.setattr(loader, "_process_bytes", lambda: measured)
+    base = plan_for(path, RuntimeConfig(backend="mapped"))
+    return int(base.total + (window + 0.5) * base.slot_bytes)
+
+
+MAPPED = ["mapped", "mapped-window"] * native.available()
+
+
+@pytest.mark.parametrize("how", ENGINES + MAPPED)
+def test_injected_failures_heal_once_then_fail(
+    copy, reference, how: str, monkeypatch
+) -> None:
     """A record whose read fails once is read again and the call goes on; one
     that fails twice fails the call with the read's words; the engine is
     exact again once reads succeed. Fresh loads: a mapped record is read
-    (checked) the first time it is routed."""
+    (checked) the first time it is routed; under a budget, the prompts are
+    wider than the window, whose kernel maps and checks a record a thread."""
     options = {"engine": "native" if how != "python" else "python"}
-    options.update({"backend": "mapped"} if how == "mapped" else {"cache_experts": 2})
+    options.update({"cache_experts": 2} if how in ENGINES else {"backend": "mapped"})
+    if how == "mapped-window":
+        options["memory_budget"] = window_budget(copy, 3, monkeypatch)
     model, _ = moestream.load(copy, **options)
     inject(model, how, 1)
     assert_exact(model, reference)
@@ -164,6 +182,27 @@ def test_corrupt_record_fails_every_time_then_recovers(copy, reference, engine) 
     layer = load_manifest(copy).layers[0]
     model, _ = load(copy, engine, 4)
     original = corrupt_layer(copy, layer)  # every expert of layer 0, same inode
+    for _ in range(2):
+        with pytest.raises(ExpertReadError, match=r"of layer 0 .* fails its"):
+            forward(model, PROMPTS[0])
+    (copy / layer.file).write_bytes(original)
+    assert_exact(model, reference)
+
+
+@pytest.mark.skipif(not native.available(), reason="no native extension")
+def test_corrupt_record_fails_a_mapped_window_then_recovers(
+    copy, reference, monkeypatch
+) -> None:
+    """The mapped backend under a budget, prompts wider than its window: a
+    record that fails its checksum where the kernel maps and checks it fails
+    the call with the check's words, every time, until the blob is fixed."""
+    layer = load_manifest(copy).layers[0]
+    budget = window_budget(copy, 3, monkeypatch)
+    model, _ = moestream.load(copy, backend="mapped", memory_budget=budget)
+    assert moestream.runtime_of(model).plan.window == 3
+    assert_exact(model, reference)  # the window holds records, checked
+    original = corrupt_layer(copy, layer)
+    model, _ = moestream.load(copy, backend="mapped", memory_budget=budget)
     for _ in range(2):
         with pytest.raises(ExpertReadError, match=r"of layer 0 .* fails its"):
             forward(model, PROMPTS[0])
