@@ -1564,6 +1564,15 @@ static void run_in_place(const RecordCall& c,
       mapped ? *cache.reader().mapped() : cache.pending_fills().view();
   const int64_t nbytes = cache.record_nbytes;
   std::vector<char> failed(routed.size(), 0);
+  // A record let go takes what its faults mapped beside it, but the window's
+  // records and those other threads compute on (MappedBlob::unmap_span).
+  std::vector<std::atomic<char>> in_use(c.experts);
+  for (auto& u : in_use) {
+    u.store(0);
+  }
+  auto keep = [&](int r) {
+    return (mapped && cache.window.holds(r)) || in_use[r].load() != 0;
+  };
   parallel_for(int(routed.size()), c.threads, [&](int i) {
     auto [e, slot] = routed[i];
     if (slot >= 0) {
@@ -1575,13 +1584,16 @@ static void run_in_place(const RecordCall& c,
       one(e);
       return;
     }
+    in_use[e].store(1);
     if (mapped ? !map_here(cache.reader(), e) : !populated(view, e, nbytes)) {
+      in_use[e].store(0);
       failed[i] = 1;
       return;
     }
     at[e] = view.record(e);
     one(e);
-    view.unmap_record(e);
+    in_use[e].store(0);
+    view.unmap_span(e, keep);
   });
   for (size_t i = 0; i < routed.size(); i++) {
     if (failed[i]) {
@@ -1625,19 +1637,24 @@ static void run_mapped(const RecordCall& c) {
 // and computes each other record on one thread, letting it go after
 // (run_in_place; its fetch left those unread). Then the window takes
 // the call's experts, the last tokens' first, and the records it no longer
-// holds leave the page tables.
+// holds leave the page tables, with what faults on its new records mapped
+// beside them.
 static void run_windowed(const RecordCall& c) {
   ExpertCache& cache = c.cache;
   MappedWindow& window = cache.window;
-  std::vector<char> seen(c.experts, 0);
+  std::vector<char> seen(c.experts, 0), held(c.experts, 0), was(c.experts, 0);
   std::vector<int> unique; // the most recently routed first: the last token's
   for (int64_t p = c.pairs - 1; p >= 0; p--) {
-    if (!seen[c.expert[p]]) {
-      seen[c.expert[p]] = 1;
-      unique.push_back(int(c.expert[p]));
+    int e = int(c.expert[p]);
+    if (!seen[e]) {
+      seen[e] = 1;
+      held[e] = window.holds(e);
+      was[e] = window.mapped(e);
+      unique.push_back(e);
     }
   }
-  if (int(unique.size()) <= window.capacity()) {
+  const bool narrow = int(unique.size()) <= window.capacity();
+  if (narrow) {
     run_mapped(c);
   } else {
     if (auto pending = cache.take_pending()) {
@@ -1650,8 +1667,20 @@ static void run_windowed(const RecordCall& c) {
     run_in_place(c, routed);
   }
   window.used(unique);
+  const MappedBlob& view = *cache.reader().mapped();
+  auto holds = [&](int r) { return window.holds(r); };
   for (int e : window.over()) {
-    cache.reader().mapped()->unmap_record(e);
+    view.unmap_span(e, holds);
+  }
+  for (int e : unique) { // what faults on the records it mapped mapped beside
+    if (!window.holds(e)) {
+      continue;
+    }
+    bool now = narrow || held[e]; // (a wide call lets the others go)
+    if (now && !was[e]) {
+      view.unmap_span(e, holds);
+    }
+    window.set_mapped(e, now);
   }
 }
 

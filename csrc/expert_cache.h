@@ -95,9 +95,11 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // A taken fill the kernel did not finish: its expert leaves the slot.
   void drop(int expert) { table_.drop(expert); }
   // A taken fill's record read: its pages leave this process's page tables
-  // (the page cache keeps them), so the process's resident memory stays its
-  // slots', as when records are read.
-  void filled(int expert) { fills_.view().unmap_record(expert); }
+  // (the page cache keeps them), with what its faults mapped beside them, so
+  // the process's resident memory stays its slots', as when records are read.
+  void filled(int expert) {
+    fills_.view().unmap_span(expert, [](int) { return false; });
+  }
   // A call on the records in place (expert_mlp_in_place; counted as `call`):
   // its distinct experts and their slots (-1: none; the others' records
   // checked and in the page cache, for the kernel to map in, then let go).
@@ -124,9 +126,13 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   }
   // RuntimeConfig.mapped: calls resolve to expert ids, read in place by the
   // kernel (ExpertMlpMapped); each miss left in flight (take_pending).
-  // `window`: records kept in the page tables (MappedWindow; 0: all).
+  // `window`: records kept in the page tables (MappedWindow; 0: all), each
+  // page mapped on its own.
   void map_blob(int window = 0) {
     reader_.map();
+    if (window > 0) {
+      reader_.mapped()->page_by_page();
+    }
     this->window.set_capacity(window, num_experts);
   }
   bool mapped() const { return reader_.mapped() != nullptr; }

@@ -229,8 +229,9 @@ const uint8_t* ExpertCache::map_in_place(int expert) {
 }
 
 void ExpertCache::release_in_place() {
+  auto holds = [&](int r) { return window.holds(r); }; // (none without one)
   for (int e : in_place_) {
-    (mapped() ? *reader_.mapped() : fills_.view()).unmap_record(e);
+    (mapped() ? *reader_.mapped() : fills_.view()).unmap_span(e, holds);
   }
   in_place_.clear();
 }

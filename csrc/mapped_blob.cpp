@@ -102,6 +102,10 @@ bool MappedBlob::hint(int expert) {
   return true;
 }
 
+void MappedBlob::page_by_page() const {
+  ::madvise(map_, map_len_, MADV_NOHUGEPAGE);
+}
+
 void MappedBlob::unmap_pages() const {
   ::madvise(map_, map_len_, MADV_DONTNEED);
 }
@@ -116,6 +120,29 @@ void MappedBlob::unmap_record(int expert) const {
       map_len_, blob_.offset(expert) + blob_.record_nbytes + kAround);
   begin = begin / kPage * kPage;
   ::madvise(map_ + begin, end - begin, MADV_DONTNEED);
+}
+
+void MappedBlob::unmap_span(int expert,
+                            const std::function<bool(int)>& keep) const {
+  const int64_t n = blob_.record_nbytes, stride = blob_.stride;
+  const int64_t begin = blob_.offset(expert) / kFolioSpan * kFolioSpan;
+  const int64_t end = std::min<int64_t>(
+      map_len_, (blob_.offset(expert) + n + kFolioSpan - 1) / kFolioSpan * kFolioSpan);
+  auto zap = [&](int64_t from, int64_t to) { // file offsets, page-aligned
+    if (to > from) {
+      ::madvise(map_ + from, to - from, MADV_DONTNEED);
+    }
+  };
+  int first = int(std::max<int64_t>(0, (begin - blob_.data_offset) / stride));
+  int64_t at = begin;
+  for (int r = first; r < blob_.num_experts && blob_.offset(r) < end; r++) {
+    if (keep(r)) {
+      auto [pages, len] = record_pages(r);
+      zap(at, pages - map_);
+      at = std::max(at, pages - map_ + len);
+    }
+  }
+  zap(at, end);
 }
 
 } // namespace moestream

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 
 #include "record_source.h"
@@ -33,12 +34,23 @@ class MappedBlob : public RecordSource {
   // Map in the pages of [at, at + n) of `expert`'s record, reading those
   // absent from the page cache; a failed read throws a ReadError.
   void populate(int expert, const uint8_t* at, int64_t n) const;
+  // No huge page of the page cache mapped whole by one fault
+  // (MADV_NOHUGEPAGE): unmap_span could only let such a page go whole,
+  // records kept mapped with it.
+  void page_by_page() const;
   // Take the pages out of this process's page tables (the page cache keeps
   // them, until dropped: a cold benchmark's start).
   void unmap_pages() const;
   // The same for one record's pages (a record copied out of the mapping no
   // longer counts in this process's resident memory).
   void unmap_record(int expert) const;
+  // The pages a fault on the record may have mapped let go: a fault maps the
+  // whole large folio of the page cache that holds its page (naturally
+  // aligned, at most kFolioSpan), so parts of the records beside it too.
+  // The pages of the records where `keep(r)` (the record's own included)
+  // stay mapped.
+  void unmap_span(int expert, const std::function<bool(int)>& keep) const;
+  static constexpr int64_t kFolioSpan = 2 << 20; // a PMD of 4 KB pages
 
  private:
   // The whole pages of the mapping that hold a record.

@@ -14,11 +14,17 @@ class MappedWindow {
   void set_capacity(int capacity, int experts) {
     capacity_ = capacity;
     in_.assign(experts, 0);
+    mapped_.assign(experts, 0);
     order_.clear();
   }
   bool on() const { return capacity_ > 0; }
   int capacity() const { return capacity_; }
   bool holds(int expert) const { return on() && in_[expert]; }
+  // Whether a held record's pages are mapped, and what faults on them
+  // mapped beside them let go since (run_windowed): a record taken in by a
+  // prompt's call is held unmapped until a call reads it.
+  bool mapped(int expert) const { return on() && mapped_[expert]; }
+  void set_mapped(int expert, bool on) { mapped_[expert] = on; }
   // A call's experts become the most recent, in their order.
   void used(const std::vector<int>& experts) {
     auto routed = [&](int e) {
@@ -36,6 +42,7 @@ class MappedWindow {
     while (int(order_.size()) > capacity_) {
       out.push_back(order_.back());
       in_[order_.back()] = 0;
+      mapped_[order_.back()] = 0;
       order_.pop_back();
     }
     return out;
@@ -45,6 +52,7 @@ class MappedWindow {
   int capacity_{0};
   std::vector<int> order_; // most recent first
   std::vector<char> in_;   // per expert: in order_
+  std::vector<char> mapped_; // per expert: held and mapped
 };
 
 } // namespace moestream

@@ -19,6 +19,7 @@ class PendingFills {
   // file (the reader's count of reopens), so a reopened one is mapped again.
   void map(const BlobLayout& blob, int fd, int opens, int slots) {
     view_ = std::make_unique<MappedBlob>(blob, fd);
+    view_->page_by_page(); // the slots' budget counts a record a thread
     opens_ = opens;
     fills_.assign(slots, -1);
     pending_ = 0;

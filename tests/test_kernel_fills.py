@@ -100,6 +100,18 @@ def warm(out: Path) -> None:
         (out / layer.file).read_bytes()
 
 
+def warm_in_order(out: Path) -> None:
+    """Every blob dropped from the page cache and read again in order, as a
+    user's copy would: the page cache may then hold it in large folios, which
+    a fault maps whole (records beside the one read with it)."""
+    for layer in load_manifest(out).layers:
+        blob = out / layer.file
+        drop_cache(blob)
+        with blob.open("rb") as f:
+            while f.read(1 << 17):
+                pass
+
+
 def layers(model) -> list[StreamingSwitchGLU]:
     return [m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)]
 
@@ -145,13 +157,14 @@ def test_records_filled_in_the_kernel_leave_the_process(case):
     out, _ = case
     if not load_manifest(out).blocked:
         pytest.skip("row records are read, not mapped")
-    warm(out)
+    warm_in_order(out)
     gc.collect()  # the models of the tests before, and their mappings
     model, _ = moestream.load(out, engine="native", cache_experts=2, verify=False)
     logits_stepwise(model, PROMPT, steps=STEPS)
     assert moestream.stats(model).kernel_fills > 0
     # What stays mapped is at most a few pages the kernel mapped around an
-    # access (its fault-around), never a record: filled records do not pile up.
+    # access, never a record, nor the large folios a fault maps whole:
+    # filled records do not pile up.
     for layer in load_manifest(out).layers:
         resident = mapped_kb((out / layer.file).resolve()) * 1024
         assert resident < layer.record_nbytes, (layer.layer, resident)
@@ -457,8 +470,8 @@ def test_a_mapped_prompt_wider_than_its_window_maps_a_record_a_thread(
     time (or read cold) maps them in, checks and computes them a record a
     kernel thread, as the slots' in-place prompt does: its peak resident
     memory rises no more than the same prompt's once every record is
-    checked, not by the layer's records. The logits are the resident
-    model's."""
+    checked, not by the layer's records; no fault maps a huge page's worth
+    of records at once. The logits are the resident model's."""
     geometry = {"num_hidden_layers": 1, "mlp_only_layers": []}
     width = {"hidden_size": 256, "moe_intermediate_size": 2048}
     hf = tiny_qwen3_moe(
@@ -469,7 +482,8 @@ def test_a_mapped_prompt_wider_than_its_window_maps_a_record_a_thread(
     convert(
         str(hf), out, recipe, 64, dtype="bfloat16", progress=False, layout="blocked"
     )
-    warm(out)
+    blob = (out / load_manifest(out).layers[0].file).resolve()
+    warm_in_order(out)
     measured = memory._process_bytes()
     monkeypatch.setattr(loader, "_process_bytes", lambda: measured)
     base = plan_for(out, RuntimeConfig(backend="mapped"))
@@ -499,6 +513,15 @@ def test_a_mapped_prompt_wider_than_its_window_maps_a_record_a_thread(
     # (the first may leave the window's records mapped, then a thread's each)
     layer = load_manifest(out).layers[0]
     assert rises[0] <= rises[1] + (window + 4) * layer.record_nbytes, rises
+    # decode steps: what stays mapped is the window's records, each page on
+    # its own
+    cache = make_prompt_cache(model)
+    token = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1, keepdims=True)
+    for _ in range(6):
+        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1, keepdims=True)
+    mx.eval(token)
+    kept = window * layer.record_nbytes + (window + 1) * (128 << 10)
+    assert mapped_kb(blob) * 1024 <= kept, (mapped_kb(blob), kept)
     ref = resident_model(hf, Recipe.parse(recipe, group_size=64), "bfloat16")
     theirs = ref(prompt, cache=make_prompt_cache(ref))
     for ours in outs:
