@@ -234,12 +234,12 @@ def test_serve_seed_answers_as_mlx_lm_server(models) -> None:
     not native.available() or not native.kernel_matches_mlx(),
     reason="the native engine or its exact CPU kernel is not here",
 )
-def test_mapped_under_a_budget_seed_prints_mlx_lm_generate(
+def test_a_budget_over_blocked_records_seed_prints_mlx_lm_generate(
     models, mlx_lm_texts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Records stored blocked, mapped under a budget of three records a
-    layer: each layer's window kept mapped, the prompt past it read in place;
-    what it draws is what mlx-lm draws."""
+    """Records stored blocked under a budget of three records a layer: mapped
+    by default, each layer's window kept mapped, the prompt past it read in
+    place; what it draws is what mlx-lm draws."""
     from moestream.runtime import RuntimeConfig, loader, memory
     from moestream.runtime.loader import plan_for
 
@@ -262,7 +262,7 @@ def test_mapped_under_a_budget_seed_prints_mlx_lm_generate(
     budget = str(base.total + 3 * base.slot_bytes + base.slot_bytes // 2)
     texts = []
     for s in SEEDS:
-        result, stderr = run(s, "--backend", "mapped", "--memory-budget", budget)
+        result, stderr = run(s, "--memory-budget", budget)
         assert "cpu-mapped, experts mapped, 3 a layer kept" in stderr
         texts.append(result["text"])
     assert texts == [mlx_lm_texts[family, s] for s in SEEDS]

@@ -222,7 +222,7 @@ def _plan_memory(
     staging = _staging(cfg, in_place=blocked and engine == "native")
     memory = _plan_slots(cfg, *args, blocked=blocked, staging_records=staging)
     if cfg.backend == "auto" and _mapped_by_default(
-        cfg, memory, engine, gpu, compute, kernel, switches
+        cfg, memory, engine, gpu, compute, kernel, switches, args[0].blocked
     ):
         log.info(
             "a slot for every expert does not fit: the experts stay mapped, "
@@ -338,14 +338,15 @@ def _mapped_by_default(
     compute: str,
     kernel: bool,
     switches: Iterable[nn.Module],
+    blocked_records: bool,
 ) -> bool:
-    """backend "auto": mapped where a CPU's default slots cannot hold every
-    expert and the kernel covers every layer (nothing slot-bound was asked:
-    under a budget a mapped window's prompt can outgrow it, docs/options.md)."""
+    """backend "auto": mapped where a CPU's slots (the default's, or a
+    budget's over blocked records) cannot hold every expert and the kernel
+    covers every layer (nothing slot-bound was asked); docs/options.md."""
     return (
         memory.capacity < memory.num_experts
         and cfg.arithmetic == "exact"
-        and cfg.memory_budget is None
+        and (cfg.memory_budget is None or blocked_records)
         and cfg.cache_experts is None
         and cfg.host_budget is None
         and engine == "native"
