@@ -3,14 +3,20 @@ holds its slots, as `moestream bench` times it: tok/s, the page faults it
 took and the process's peak RSS, for checkouts side by side.
 
     .venv/bin/python scripts/budget_prefill.py build/bench-small \
-        --variants ../before,. [--cases 1024:64,128:64,1024:16] [--rounds 3]
+        --variants ../before,. [--cases 1024:64,128:64,1024:16] [--rounds 3] \
+        [--backend auto|slots|mapped] [--in-order]
 
 A variant is a checkout's directory (its moestream, with its own built
 extension, first on the child's PYTHONPATH). A case is prompt tokens and
 slots a layer; the budget is `budget_for` at a context of the prompt plus 9
 (the bench's 8 decoded tokens and one), the prompt the bench's text, the
-trace recorded (as the bench loads). Each round runs every case of every
-variant in a fresh process, variants in turn; the table gives each round.
+trace recorded (as the bench loads). `--backend slots` (the default)
+asks for the slots by count, as before; `auto` and `mapped` give the budget
+alone (mapped by default under a budget over blocked records). `--in-order`
+drops each blob from the page cache and reads it again in order first, as a
+user's copy leaves it (the page cache may then hold it in large folios,
+which one fault maps whole). Each round runs every case of every variant in
+a fresh process, variants in turn; the table gives each round.
 """
 
 from __future__ import annotations
@@ -22,7 +28,18 @@ import sys
 from pathlib import Path
 
 
-def child(model: str, tokens: int, slots: int) -> str:
+def read_in_order(path: Path) -> None:
+    from moestream.bench.sysio import drop_cache
+    from moestream.formats import load_manifest
+
+    for layer in load_manifest(path).layers:
+        drop_cache(path / layer.file)
+        with (path / layer.file).open("rb") as f:
+            while f.read(1 << 17):
+                pass
+
+
+def child(model: str, tokens: int, slots: int, backend: str, in_order: bool) -> str:
     import resource
     import time
 
@@ -35,10 +52,16 @@ def child(model: str, tokens: int, slots: int) -> str:
     from moestream.runtime.loader import budget_for
 
     path = Path(model)
+    if in_order:
+        read_in_order(path)
     context = tokens + 9
     budget = budget_for(path, slots, context)
     options = RuntimeConfig().with_options(
-        cache_experts=slots, memory_budget=budget, context=context, record_trace=True
+        backend=backend,
+        cache_experts=slots if backend == "slots" else None,
+        memory_budget=budget,
+        context=context,
+        record_trace=True,
     )
     tokenizer = load_tokenizer(path)
     model_, _ = load(path, options, tokenizer=tokenizer)
@@ -61,11 +84,15 @@ def main() -> None:
     ap.add_argument("--variants", required=True, help="comma list of checkouts")
     ap.add_argument("--cases", default="1024:64,128:64,1024:16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backend", default="slots", choices=("auto", "slots", "mapped"))
+    ap.add_argument(
+        "--in-order", action="store_true", help="read the blobs in order first"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         tokens, slots = (int(v) for v in args.child.split(":"))
-        print(child(args.model, tokens, slots))
+        print(child(args.model, tokens, slots, args.backend, args.in_order))
         return
     names = args.variants.split(",")
     cases = args.cases.split(",")
@@ -78,6 +105,7 @@ def main() -> None:
             )
             for case in cases:
                 cmd = [sys.executable, __file__, args.model, "--variants", name]
+                cmd += ["--backend", args.backend] + ["--in-order"] * args.in_order
                 done = subprocess.run(
                     [*cmd, "--child", case],
                     capture_output=True,
