@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 from builders.synthetic import tiny_qwen3_moe
 from helpers import PROMPT, corrupt_layer, logits_stepwise
+from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
 from moestream.bench.sysio import drop_cache
@@ -24,6 +25,7 @@ from moestream.formats import FormatError, Recipe, load_manifest
 from moestream.reference import resident_model
 from moestream.runtime import ExpertReadError, RuntimeConfig, config_from, native
 from moestream.runtime.loader import BudgetError, execution_for, plan_for
+from moestream.runtime.switch import StreamingSwitchGLU
 
 pytestmark = pytest.mark.skipif(
     not native.available() or not native.kernel_matches_mlx(),
@@ -131,6 +133,27 @@ def test_mapped_hints_nothing_ahead_unless_asked(converted: Path):
         assert not execution_for(converted, RuntimeConfig(backend=backend)).prefetch
         on = config_from(backend=backend, prefetch=True)
         assert execution_for(converted, on).prefetch
+
+
+def test_a_prompts_outputs_do_not_stay_alive_in_every_layer(converted: Path):
+    """What a mapped layer's next call waits for: after a prompt, a
+    one-element array that waits for the prompt's output, not the output
+    (`[batch, tokens, k, hidden]`, alive in every layer until its next call
+    otherwise: 400 MB more for `small`'s 1024-token prompt); after a decode
+    step, the step's output itself (no node added to a step). The logits are
+    the same either way."""
+    model, _ = moestream.load(converted, backend="mapped")
+    switches = [
+        m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)
+    ]
+    cache = make_prompt_cache(model)
+    logits = model(PROMPT[:, :6], cache=cache)
+    mx.eval(logits)
+    assert switches and all(m._engine.last.size == 1 for m in switches)
+    token = mx.argmax(logits[:, -1], axis=-1, keepdims=True)
+    mx.eval(model(token, cache=cache))
+    for m in switches:
+        assert m._engine.last.shape[-3] == 1 and m._engine.last.size > 1
 
 
 def test_counters_say_what_the_page_cache_held(converted: Path):

@@ -279,6 +279,12 @@ class NativeEngine(_Base):
         return native.fetch(self.cache, indices, predicted, call)
 
     def finish(self, y: mx.array) -> mx.array:
+        """A decode step's output (one token a sequence) is what the layer's
+        next call waits for, as it is; a prompt's (`[batch, tokens, k,
+        hidden]`) would stay alive in every layer until then, so it is waited
+        for through a one-element array (_after)."""
+        if y.ndim >= 3 and y.shape[-3] > 1:
+            return self._after(y)
         self.last = y
         return y
 
