@@ -1536,7 +1536,7 @@ static bool populated(const MappedBlob& view, int expert, int64_t nbytes) {
 // is mapped again afterwards on this thread by the cache (map_in_place),
 // which says what failed.
 static void run_in_place(const RecordCall& c,
-                         const std::vector<std::pair<int, int>>& routed) {
+                         const std::vector<std::pair<int, int>>& routed_in) {
   const uint32_t* expert = c.expert;
   ExpertCache& cache = c.cache;
   const bool mapped = cache.mapped(); // a mapped blob's window, not slots
@@ -1544,6 +1544,14 @@ static void run_in_place(const RecordCall& c,
   for (int64_t p = 0; p < c.pairs; p++) {
     of[expert[p]].push_back(p);
   }
+  // The experts with the most pairs first, each thread taking the next one
+  // when done: the last a thread takes is short, so neither waits long for
+  // the other at the call's end (the pool's runs of consecutive tasks would
+  // give one thread many large experts at once).
+  std::vector<std::pair<int, int>> routed(routed_in);
+  std::stable_sort(routed.begin(), routed.end(), [&](auto a, auto b) {
+    return of[a.first].size() > of[b.first].size();
+  });
   std::vector<const uint8_t*> at(c.experts, nullptr);
   auto mat = [&](int p, int64_t pair) {
     return record_matrix(c.proj[p], at[expert[pair]]);
@@ -1573,7 +1581,8 @@ static void run_in_place(const RecordCall& c,
   auto keep = [&](int r) {
     return (mapped && cache.window.holds(r)) || in_use[r].load() != 0;
   };
-  parallel_for(int(routed.size()), c.threads, [&](int i) {
+  std::atomic<int> next{0};
+  auto expert_at = [&](int i) {
     auto [e, slot] = routed[i];
     if (slot >= 0) {
       from_slot(e, slot);
@@ -1594,6 +1603,11 @@ static void run_in_place(const RecordCall& c,
     one(e);
     in_use[e].store(0);
     view.unmap_span(e, keep);
+  };
+  parallel_for(c.threads, c.threads, [&](int) {
+    for (int i = next.fetch_add(1); i < int(routed.size()); i = next.fetch_add(1)) {
+      expert_at(i);
+    }
   });
   for (size_t i = 0; i < routed.size(); i++) {
     if (failed[i]) {
