@@ -1515,18 +1515,6 @@ static SlotSource slot_source(const SlotArrays& memory,
   return src;
 }
 
-// A record's pages mapped in from the page cache: false where that failed,
-// its pages let go again.
-static bool populated(const MappedBlob& view, int expert, int64_t nbytes) {
-  try {
-    view.populate(expert, view.record(expert), nbytes);
-  } catch (const std::exception&) {
-    view.unmap_record(expert);
-    return false;
-  }
-  return true;
-}
-
 // An in-place call's experts (a CPU slot cache's prefill past its slots, or
 // a mapped call wider than its window), each on one thread from start to
 // end: its record mapped in (a mapped blob's checked there the first time;
@@ -1568,16 +1556,11 @@ static void run_in_place(const RecordCall& c,
     };
     c.run(in_slot, src.fn, int64_t(of[e].size()), 1, of[e].data());
   };
-  const MappedBlob& view =
-      mapped ? *cache.reader().mapped() : cache.pending_fills().view();
-  const int64_t nbytes = cache.record_nbytes;
+  const MappedBlob& view = cache.in_place_view();
   std::vector<char> failed(routed.size(), 0);
   // A record let go takes what its faults mapped beside it, but the window's
   // records and those other threads compute on (MappedBlob::unmap_span).
-  std::vector<std::atomic<char>> in_use(c.experts);
-  for (auto& u : in_use) {
-    u.store(0);
-  }
+  std::vector<std::atomic<char>> in_use(c.experts); // zeros (C++20)
   auto keep = [&](int r) {
     return (mapped && cache.window.holds(r)) || in_use[r].load() != 0;
   };
@@ -1594,7 +1577,7 @@ static void run_in_place(const RecordCall& c,
       return;
     }
     in_use[e].store(1);
-    if (mapped ? !map_here(cache.reader(), e) : !populated(view, e, nbytes)) {
+    if (mapped ? !map_here(cache.reader(), e) : !view.map_in(e)) {
       in_use[e].store(0);
       failed[i] = 1;
       return;
@@ -1676,7 +1659,7 @@ static void run_windowed(const RecordCall& c) {
     }
     std::vector<std::pair<int, int>> routed;
     for (int e : unique) {
-      routed.push_back({e, window.holds(e) ? kInWindow : -1});
+      routed.push_back({e, held[e] ? kInWindow : -1});
     }
     run_in_place(c, routed);
   }

@@ -105,6 +105,11 @@ class ExpertCache : public std::enable_shared_from_this<ExpertCache> {
   // checked and in the page cache, for the kernel to map in, then let go).
   std::vector<std::pair<int, int>> in_place(const uint32_t* experts, int64_t n, int tokens, int64_t call);
   const uint8_t* map_in_place(int expert);
+  // The mapping an in-place call maps its records through: a mapped blob's,
+  // else the kernel fills' view of the blob.
+  const MappedBlob& in_place_view() {
+    return mapped() ? *reader_.mapped() : fills_.view();
+  }
   void release_in_place(); // the records mapped in leave the page tables
   // Make `experts` resident now (host-blocking; the caller has synchronized),
   // as (part of) call `call`.

@@ -135,14 +135,9 @@ bool ExpertCache::fillable(int expert) {
   if (!cached(expert)) {
     return false;
   }
-  const MappedBlob& view = fills_.view();
-  try { // map its pages in now: the kernel's reads never fault
-    view.populate(expert, view.record(expert), record_nbytes);
-  } catch (const std::exception&) {
-    view.unmap_record(expert); // what it mapped before the failure
-    return false;              // read as any miss, which says what failed
-  }
-  return true;
+  // map its pages in now: the kernel's reads never fault; if that fails,
+  // it is read as any miss, which says what failed
+  return fills_.view().map_in(expert);
 }
 
 std::vector<std::pair<int, int>> ExpertCache::in_place(const uint32_t* experts,
@@ -231,7 +226,7 @@ const uint8_t* ExpertCache::map_in_place(int expert) {
 void ExpertCache::release_in_place() {
   auto holds = [&](int r) { return window.holds(r); }; // (none without one)
   for (int e : in_place_) {
-    (mapped() ? *reader_.mapped() : fills_.view()).unmap_span(e, holds);
+    in_place_view().unmap_span(e, holds);
   }
   in_place_.clear();
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -99,6 +100,16 @@ bool MappedBlob::hint(int expert) {
   }
   ::posix_fadvise(fd_, blob_.offset(expert), blob_.record_nbytes,
                   POSIX_FADV_WILLNEED);
+  return true;
+}
+
+bool MappedBlob::map_in(int expert) const {
+  try {
+    populate(expert, record(expert), blob_.record_nbytes);
+  } catch (const std::exception&) {
+    unmap_record(expert);
+    return false;
+  }
   return true;
 }
 

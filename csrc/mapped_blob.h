@@ -34,6 +34,9 @@ class MappedBlob : public RecordSource {
   // Map in the pages of [at, at + n) of `expert`'s record, reading those
   // absent from the page cache; a failed read throws a ReadError.
   void populate(int expert, const uint8_t* at, int64_t n) const;
+  // The whole record mapped in: false where a read failed, what it mapped
+  // before the failure let go again (a read of it then says what failed).
+  bool map_in(int expert) const;
   // No huge page of the page cache mapped whole by one fault
   // (MADV_NOHUGEPAGE): unmap_span could only let such a page go whole,
   // records kept mapped with it.

@@ -104,9 +104,11 @@ bool map_here(RecordReader& reader, int expert) {
     return false;
   }
   const MappedBlob& blob = *reader.mapped();
+  if (!blob.map_in(expert)) {
+    return false;
+  }
   int64_t n = reader.blob.record_nbytes;
   try {
-    blob.populate(expert, blob.record(expert), n);
     if (reader.check.needed(expert)) {
       uint32_t crc = crc32(blob.record(expert), n);
       reader.check.pieces(expert, &crc, n);
