@@ -28,17 +28,6 @@ import sys
 from pathlib import Path
 
 
-def read_in_order(path: Path) -> None:
-    from moestream.bench.sysio import drop_cache
-    from moestream.formats import load_manifest
-
-    for layer in load_manifest(path).layers:
-        drop_cache(path / layer.file)
-        with (path / layer.file).open("rb") as f:
-            while f.read(1 << 17):
-                pass
-
-
 def child(model: str, tokens: int, slots: int, backend: str, in_order: bool) -> str:
     import resource
     import time
@@ -53,7 +42,11 @@ def child(model: str, tokens: int, slots: int, backend: str, in_order: bool) -> 
 
     path = Path(model)
     if in_order:
-        read_in_order(path)
+        from moestream.bench.sysio import read_in_order
+        from moestream.formats import load_manifest
+
+        for layer in load_manifest(path).layers:
+            read_in_order(path / layer.file)
     context = tokens + 9
     budget = budget_for(path, slots, context)
     options = RuntimeConfig().with_options(

@@ -21,7 +21,7 @@ from helpers import PROMPT, logits_stepwise
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
-from moestream.bench.sysio import drop_cache
+from moestream.bench.sysio import drop_cache, read_in_order
 from moestream.converter import convert
 from moestream.formats import Recipe, load_manifest
 from moestream.reference import resident_model
@@ -101,15 +101,10 @@ def warm(out: Path) -> None:
 
 
 def warm_in_order(out: Path) -> None:
-    """Every blob dropped from the page cache and read again in order, as a
-    user's copy would: the page cache may then hold it in large folios, which
-    a fault maps whole (records beside the one read with it)."""
+    """Every blob read again in order, as a user's copy would leave it (a
+    fault may then map records beside the one read with it)."""
     for layer in load_manifest(out).layers:
-        blob = out / layer.file
-        drop_cache(blob)
-        with blob.open("rb") as f:
-            while f.read(1 << 17):
-                pass
+        read_in_order(out / layer.file)
 
 
 def layers(model) -> list[StreamingSwitchGLU]:

@@ -30,6 +30,16 @@ def drop_cache(path: Path) -> None:
             os.close(fd)
 
 
+def read_in_order(path: Path) -> None:
+    """`path` dropped from the page cache and read again in order, as a copy
+    of it leaves it: the page cache may then hold it in large folios, which
+    one fault maps whole."""
+    drop_cache(path)
+    with path.open("rb") as f:
+        while f.read(1 << 17):
+            pass
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo in bytes (MemTotal, MemAvailable, Cached, ...)."""
     out = {}
