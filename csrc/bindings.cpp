@@ -13,6 +13,7 @@
 #include "cpu_rope.h"
 #include "expert_cache.h"
 #include "expert_fetch.h"
+#include "lazy_output.h"
 #include "mlx/version.h"
 
 namespace nb = nanobind;
@@ -268,6 +269,8 @@ NB_MODULE(_native, m) {
       "cache"_a, "Per expert, the calls that routed to it since the last take.");
   m.def("tier_filled", &HostTier::filled, "tier"_a,
         "Records the host tier holds or is reading.");
+  m.def("waits_for_unneeded", &moestream::waits_for_unneeded, "waiter"_a,
+        "Whether a layer's waiter waits for an output nothing else can ask for.");
 
   // The exact CPU kernel (cpu_experts.h): expert MLPs and quantized matmuls.
   m.def(
@@ -368,12 +371,7 @@ NB_MODULE(_native, m) {
       "softmax(q @ k.T) @ v of float32 [batch, M, D] q (scaled), [batch, S, D] "
       "k and [batch, S, Dv] v, as MLX's sdpa fallback computes it, bit for "
       "bit; causal = q_len masks each query's later keys.");
-  m.def(
-      "exact_rms_norm",
-      [](const mlx::core::array& x, const mlx::core::array& w, float eps) {
-        return moestream::exact_rms_norm(x, w, eps);
-      },
-      "x"_a, "w"_a, "eps"_a,
+  m.def("exact_rms_norm", &moestream::exact_rms_norm, "x"_a, "w"_a, "eps"_a,
       "mx.fast.rms_norm(x, w, eps) of float32 on the CPU, bit for bit, as one "
       "op.");
   m.def(
@@ -388,12 +386,7 @@ NB_MODULE(_native, m) {
       "freqs"_a = nb::none(),
       "mx.fast.rope(x, dims, ...) of float32 on the CPU, bit for bit, as one "
       "op (offset: int32, one value or one per batch).");
-  m.def(
-      "exact_softmax",
-      [](const mlx::core::array& x, int threads) {
-        return moestream::exact_softmax(x, threads);
-      },
-      "x"_a, "threads"_a = 0,
+  m.def("exact_softmax", &moestream::exact_softmax, "x"_a, "threads"_a = 0,
       "mx.softmax(x, axis=-1) of float32 on the CPU, bit for bit, over "
       "`threads` threads (0: every core).");
 }

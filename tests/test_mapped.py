@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from builders.synthetic import tiny_qwen3_moe
-from helpers import PROMPT, corrupt_layer, logits_stepwise
+from helpers import BITS4, PROMPT, corrupt_layer, logits_stepwise
 from mlx_lm.models.cache import make_prompt_cache
 
 import moestream
@@ -37,10 +37,13 @@ pytestmark = pytest.mark.skipif(
 GEOMETRY = {"num_hidden_layers": 2, "mlp_only_layers": [], "moe_intermediate_size": 192}
 
 
-def _converted(root: Path, bits: str, group_size: int, dtype: mx.Dtype) -> Path:
+def _converted(
+    root: Path, bits: str, group_size: int, dtype: mx.Dtype, layout: str = "rows"
+) -> Path:
     hf = tiny_qwen3_moe(root / "hf", dtype=dtype, **GEOMETRY)
     name = str(dtype).removeprefix("mlx.core.")
-    convert(str(hf), root / "out", bits, group_size, dtype=name, progress=False)
+    out = root / "out"
+    convert(str(hf), out, bits, group_size, dtype=name, progress=False, layout=layout)
     return hf
 
 
@@ -154,6 +157,52 @@ def test_a_prompts_outputs_do_not_stay_alive_in_every_layer(converted: Path):
     mx.eval(model(token, cache=cache))
     for m in switches:
         assert m._engine.last.shape[-3] == 1 and m._engine.last.size > 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"backend": "mapped"}, {"engine": "native", "cache_experts": 2}],
+    ids=["mapped", "slots-in-place"],
+)
+def test_a_prompts_output_that_nothing_asks_for_is_never_computed(
+    tmp_path: Path, options: dict
+):
+    """mlx-lm's generate_step evaluates a prompt's chunk for its caches alone,
+    so the last layer's output feeds nothing it evaluates: that layer routes
+    no expert for the chunk, and the next step neither waits for its output
+    nor computes it. Held (the chunk's logits kept), it is computed when
+    asked, after the next step, and equals the resident model's."""
+    from mlx_lm.utils import load_config
+
+    hf = _converted(tmp_path, BITS4, 64, mx.bfloat16, layout="blocked")
+    converted = tmp_path / "out"  # blocked: a prompt past the slots is in place
+    model, _ = moestream.load(converted, **options)
+    caches = moestream.stats(model).native_layers
+    last = max(caches)
+
+    def routed() -> dict[int, int]:
+        return {n: sum(native.take_uses(c)) for n, c in caches.items()}
+
+    cache = make_prompt_cache(model)
+    model(PROMPT[:, :6], cache=cache)  # its logits dropped
+    mx.eval([c.state for c in cache])
+    chunk = routed()
+    assert chunk[last] == 0 and all(v > 0 for n, v in chunk.items() if n != last)
+    mx.eval(model(PROMPT[:, 6:7], cache=cache))
+    step = routed()  # the step's own calls (top-k experts each), no more
+    top_k = load_config(converted)["num_experts_per_tok"]
+    assert step[last] == step[min(step)] == top_k
+
+    reference = resident_model(hf, Recipe.parse(BITS4, 64), "bfloat16")
+    for held_first in (True, False):
+        cache = make_prompt_cache(model)
+        chunk = model(PROMPT[:, :6], cache=cache)
+        mx.eval([c.state for c in cache])
+        step = model(PROMPT[:, 6:7], cache=cache)
+        mx.eval(step if held_first else chunk)
+        theirs = logits_stepwise(reference, PROMPT[:, :6], steps=0)[0]
+        assert mx.array_equal(chunk, theirs).item()
+    assert moestream.stats(model).grouped_calls == 0
 
 
 def test_counters_say_what_the_page_cache_held(converted: Path):

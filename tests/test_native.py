@@ -41,6 +41,41 @@ def test_crc32_is_zlibs():
         assert native._native.crc32(data, crc) == zlib.crc32(data, crc), n
 
 
+def test_a_waiter_waits_for_an_unneeded_output_only_when_nothing_else_holds_it():
+    """An engine's waiter (mx.depends of one element on a layer's output)
+    waits for nothing needed only while both are unevaluated and nothing
+    else holds the output: no later evaluation can compute it then."""
+
+    def waiter(y: mx.array) -> mx.array:
+        return mx.depends([mx.zeros((1,))], [y])[0]
+
+    x = mx.arange(8.0)
+    y = x * 2
+    w = waiter(y)
+    assert not native.waits_for_unneeded(w)  # y is ours still
+    del y
+    assert native.waits_for_unneeded(w)
+    y = x * 3
+    held, w = y + 1, waiter(y)
+    del y
+    assert not native.waits_for_unneeded(w)  # `held` may compute it
+    del held
+    assert native.waits_for_unneeded(w)
+    y = x * 4
+    w = waiter(y)
+    mx.eval(y)
+    del y
+    assert not native.waits_for_unneeded(w)  # scheduled: computed
+    y = x * 5
+    w = waiter(y)
+    del y
+    mx.eval(w)
+    assert not native.waits_for_unneeded(w)
+    a = x * 6
+    b = a + x  # two inputs, the second alone held by it: not a waiter
+    assert not native.waits_for_unneeded(b)
+
+
 @pytest.mark.parametrize("cache_experts", [2, 5, 8])
 @pytest.mark.parametrize("policy, prefetch", [("lrfu", True), ("lru", False)])
 def test_native_logits_bit_identical(

@@ -57,6 +57,7 @@ class Engine(Protocol):
 
     table: mx.array | None  # expert -> slot once every expert is resident
     predict: Callable[[mx.array], mx.array] | None  # the next layer's experts
+    final: bool  # the model's last streaming layer (see _Base)
 
     def slots(self, x: mx.array, indices: mx.array) -> mx.array:
         """Slot ids of a decode call's `indices`, every routed expert read."""
@@ -105,6 +106,9 @@ class _Base:
         self.last: mx.array | None = None
         # The next layer's router applied to our input (native prefetch).
         self.predict: Callable[[mx.array], mx.array] | None = None
+        # The model's last streaming layer: what generation evaluates of a
+        # prompt's chunk (the caches) does not need its output.
+        self.final = False
 
     def _before_route(self, indices: mx.array) -> None:
         pass
@@ -131,7 +135,8 @@ class _Base:
         hidden]`) would stay alive in every layer until that layer's next
         call."""
         self.last = mx.depends([mx.zeros((1,), y.dtype)], [y])[0]
-        mx.async_eval(self.last)  # compute y while Python builds the next layer
+        if not self.final:  # compute y while Python builds the next layer
+            mx.async_eval(self.last)
         return y
 
     def willneed(self, experts: np.ndarray) -> None:
@@ -269,9 +274,19 @@ class NativeEngine(_Base):
         native.check(self.cache)
         call = self.stats.next_step(self.layer.layer)
         self.stats.record(self.layer.layer, indices, None, None, [], None)
-        if self.last is not None:
+        if self._waited() is not None:
             indices = mx.depends(indices, self.last)
         return indices, call
+
+    def _waited(self) -> mx.array | None:
+        """`last`, or None where it waits for an output that nothing has
+        asked for and nothing else holds (the final layer's for a prompt's
+        chunk, of which generation evaluates only the caches): that output is
+        never computed then, so it reads no slot a later call writes, and no
+        call need wait for it (or compute it)."""
+        if self.last is not None and native.waits_for_unneeded(self.last):
+            self.last = None
+        return self.last
 
     def slots(self, x: mx.array, indices: mx.array) -> mx.array:
         indices, call = self._begin(indices)
@@ -301,7 +316,7 @@ class NativeEngine(_Base):
         # Our earlier outputs may not be evaluated yet (a later chunk's
         # routing need not depend on them): evaluate them before the host
         # writes our slots, and wait for what is in flight.
-        mx.eval([indices] if self.last is None else [indices, self.last])
+        mx.eval([indices] if self._waited() is None else [indices, self.last])
         mx.synchronize()
 
     def record(self, r: Routing) -> None:

@@ -209,6 +209,8 @@ def _start(
     if tier is not None:  # counted after its layers (a GPU's fills count there)
         stats.native.append(tier)
     plan = execution.memory
+    if streaming:
+        streaming[max(streaming, key=layer_index)].last_in_model()
     if execution.prefetch:
         extra = execution.tuning.prefetch_extra
         chain_prefetch(model, streaming, model_config, extra)

@@ -235,6 +235,13 @@ def fetch(
     return _native.fetch(cache, indices, predicted, call)
 
 
+def waits_for_unneeded(waiter: mx.array) -> bool:
+    """Whether `waiter` (an engine's one-element array that waits for its
+    layer's output) and that output are unevaluated, and nothing but the
+    waiter holds the output: it is never computed unless the waiter is."""
+    return _native.waits_for_unneeded(waiter)
+
+
 def take_uses(cache: object) -> list[int]:
     """Per expert of the cache's layer, the calls that routed to it since the
     last take (resolved on the host: a device kernel's are not counted)."""

@@ -114,6 +114,12 @@ class StreamingSwitchGLU(nn.Module):
         (the native engine hints what it predicts)."""
         self._engine.chain(nxt._engine, predict)
 
+    def last_in_model(self) -> None:
+        """Ours is the model's last streaming layer: a prompt's output is
+        computed only where something asks for it (the logits, the layers
+        after), not for its own sake (NativeEngine._waited)."""
+        self._engine.final = True
+
     @property
     def capacity(self) -> int:
         return self._capacity
