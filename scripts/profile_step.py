@@ -221,7 +221,8 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="resident,native,native+kernel",
-        help="comma list of resident, python, native, native+kernel[:threads]",
+        help="comma list of resident, python, native, native+kernel[:threads], "
+        "each engine's optionally @backend (native+kernel@mapped)",
     )
     ap.add_argument(
         "--context",
@@ -244,10 +245,14 @@ def main() -> None:
         if variant == "resident":
             model = resident_from_converted(args.model)
         else:
-            engine, _, kernel = variant.partition("+")  # "kernel:N": N threads
+            name, _, backend = variant.partition("@")  # "@mapped": a backend
+            engine, _, kernel = name.partition("+")  # "kernel:N": N threads
             threads = int(kernel.partition(":")[2] or 0)
             cfg = config_from(
-                engine=engine, cpu_kernel=bool(kernel), kernel_threads=threads
+                engine=engine,
+                cpu_kernel=bool(kernel),
+                kernel_threads=threads,
+                backend=backend or "auto",
             )
             model, _ = load(args.model, cfg)
         instrument(model, prof)

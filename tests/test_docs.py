@@ -35,7 +35,7 @@ FOREIGN = {
     "prompts", "before", "tier", "groups",  # scripts/gpu_prefill.py, gpu_groups.py
     "from-memory", "blocked",  # scripts/kernel_ops.py
     "pct",  # scripts/kernel_ab.py
-    "in-order",  # scripts/budget_prefill.py
+    "in-order", "cases",  # scripts/budget_prefill.py
 }  # fmt: skip
 
 
