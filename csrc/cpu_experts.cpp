@@ -39,7 +39,10 @@ class Pool {
  public:
   void set_spin(int64_t micros) { spin_us_.store(micros); }
 
-  void run(int n, int threads, const std::function<void(int)>& fn) {
+  // `single`: each thread takes one task at a time (tasks of uneven size,
+  // the largest first), not runs of them.
+  void run(int n, int threads, const std::function<void(int)>& fn,
+           bool single = false) {
     int helpers = std::min(threads, n) - 1;
     if (helpers <= 0) {
       for (int i = 0; i < n; i++) {
@@ -55,6 +58,7 @@ class Pool {
       }
       fn_ = &fn;
       n_ = n;
+      single_ = single;
       threads_ = helpers + 1;
       next_.store(0);
       wanted_ = helpers;
@@ -104,7 +108,7 @@ class Pool {
         if (start >= n_) {
           return;
         }
-        run = std::max(1, (n_ - start) / (2 * threads_));
+        run = single_ ? 1 : std::max(1, (n_ - start) / (2 * threads_));
       } while (!next_.compare_exchange_weak(start, start + run));
       for (int i = start; i < start + run; i++) {
         (*fn_)(i);
@@ -135,6 +139,7 @@ class Pool {
   std::vector<std::thread> workers_;
   const std::function<void(int)>* fn_{nullptr};
   int n_{0}, threads_{1};
+  bool single_{false};
   std::atomic<int> wanted_{0}, busy_{0};
   std::atomic<int> next_{0};
   std::atomic<uint64_t> generation_{0};
@@ -1069,6 +1074,10 @@ void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
   pool().run(n, threads, fn);
 }
 
+void parallel_each(int n, int threads, const std::function<void(int)>& fn) {
+  pool().run(n, threads, fn, true);
+}
+
 void set_pool_spin(int64_t micros) {
   pool().set_spin(micros);
 }
@@ -1533,9 +1542,9 @@ static void run_in_place(const RecordCall& c,
     of[expert[p]].push_back(p);
   }
   // The experts with the most pairs first, each thread taking the next one
-  // when done: the last a thread takes is short, so neither waits long for
-  // the other at the call's end (the pool's runs of consecutive tasks would
-  // give one thread many large experts at once).
+  // when done (parallel_each): the last a thread takes is short, so neither
+  // waits long for the other at the call's end (the pool's runs of
+  // consecutive tasks would give one thread many large experts at once).
   std::vector<std::pair<int, int>> routed(routed_in);
   std::stable_sort(routed.begin(), routed.end(), [&](auto a, auto b) {
     return of[a.first].size() > of[b.first].size();
@@ -1564,7 +1573,6 @@ static void run_in_place(const RecordCall& c,
   auto keep = [&](int r) {
     return (mapped && cache.window.holds(r)) || in_use[r].load() != 0;
   };
-  std::atomic<int> next{0};
   auto expert_at = [&](int i) {
     auto [e, slot] = routed[i];
     if (slot >= 0) {
@@ -1587,11 +1595,7 @@ static void run_in_place(const RecordCall& c,
     in_use[e].store(0);
     view.unmap_span(e, keep);
   };
-  parallel_for(c.threads, c.threads, [&](int) {
-    for (int i = next.fetch_add(1); i < int(routed.size()); i = next.fetch_add(1)) {
-      expert_at(i);
-    }
-  });
+  parallel_each(int(routed.size()), c.threads, expert_at);
   for (size_t i = 0; i < routed.size(); i++) {
     if (failed[i]) {
       int e = routed[i].first;

@@ -53,8 +53,12 @@ struct MappedProjection {
 
 class ExpertCache; // expert_cache.h
 
-// Runs fn(0..n-1) over `threads` threads (the caller's among them).
+// Runs fn(0..n-1) over `threads` threads (the caller's among them), each
+// taking runs of consecutive tasks (rows stream from memory in order).
 void parallel_for(int n, int threads, const std::function<void(int)>& fn);
+// The same, each thread taking the next task when done: tasks of uneven
+// size, given largest first.
+void parallel_each(int n, int threads, const std::function<void(int)>& fn);
 // How long the kernel's idle threads wait awake before they sleep (the
 // pool is one per process).
 void set_pool_spin(int64_t micros);
