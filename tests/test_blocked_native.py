@@ -20,6 +20,7 @@ from moestream.bench.models import Scale, write_synthetic
 from moestream.bench.sysio import drop_cache
 from moestream.converter import convert
 from moestream.formats import BlobReader, Recipe, load_manifest
+from moestream.formats.dtypes import max_abs
 from moestream.reference import resident_model
 from moestream.runtime import RuntimeConfig, native
 from moestream.runtime.loader import execution_for
@@ -130,7 +131,8 @@ def test_gpu_slots_refuse_blocked_records(case):
 
 def test_make_model_blocked_holds_the_same_weights(tmp_path: Path):
     """`bench make-model --layout blocked`: the rows model's values, each
-    segment stored blocked, and the same tokens on the mapped backend."""
+    segment stored blocked, each projection's largest scale recorded as the
+    converter records it, and the same tokens on the mapped backend."""
     tiny = Scale(2, 8, 2, 128, 64, heads=4, kv_heads=2, head_dim=32, vocab=512)
     rows = write_synthetic(tmp_path / "rows", tiny)
     blocked = write_synthetic(tmp_path / "blocked", tiny, layout="blocked")
@@ -141,11 +143,19 @@ def test_make_model_blocked_holds_the_same_weights(tmp_path: Path):
             BlobReader(tmp_path / "rows" / a.file, a) as ra,
             BlobReader(tmp_path / "blocked" / b.file, b) as rb,
         ):
+            largest: dict[str, float] = {}
             for e in range(a.num_experts):
                 x, y = ra.record(e), rb.record(e)
                 assert x != y  # stored otherwise
                 for sa, sb in zip(a.segments, b.segments, strict=True):
                     assert np.array_equal(ra.segment(x, sa), rb.segment(y, sb))
+                    m = max_abs(ra.segment(x, sa), sa.dtype)
+                    largest[sa.name] = max(m, largest.get(sa.name, 0.0))
+        for sa, sb in zip(a.segments, b.segments, strict=True):
+            if sa.name.endswith(".scales"):
+                assert sa.max_abs == sb.max_abs == largest[sa.name] > 0
+            else:
+                assert sa.max_abs is None and sb.max_abs is None
     prompt = mx.array([[5, 9, 200, 31, 7, 77, 400, 3]])
     logits = [
         moestream.load(tmp_path / name, backend="mapped")[0](prompt)

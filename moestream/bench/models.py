@@ -35,7 +35,8 @@ from ..formats import (
     layer_layout,
     load_manifest,
 )
-from ..formats.manifest import inside
+from ..formats.dtypes import max_abs
+from ..formats.manifest import inside, with_max_abs
 from .tokenizer import write_tokenizer
 
 
@@ -181,13 +182,22 @@ def _write_layer(
     entry = layer_layout(layer, spath, num_experts, spec)
     if layout == "blocked":
         entry = blocked_layout(entry)
-    return writer.add_layer(entry, _records(entry, shapes, pool, rng))
+    maxima: dict[str, float | None] = {}
+    written = writer.add_layer(entry, _records(entry, shapes, pool, rng, maxima))
+    # Each projection's largest scale, recorded as the converter records it.
+    writer.layers[-1] = with_max_abs(written, lambda s: maxima[s.name])
+    return writer.layers[-1]
 
 
 def _records(
-    entry: ExpertLayer, shapes: dict, pool: np.ndarray, rng: np.random.Generator
+    entry: ExpertLayer,
+    shapes: dict,
+    pool: np.ndarray,
+    rng: np.random.Generator,
+    maxima: dict[str, float | None],
 ) -> Iterator[bytes]:
-    """Random 4-bit words; scale and bias map the 0..15 codes onto +-1/sqrt(fan_in)."""
+    """Random 4-bit words; scale and bias map the 0..15 codes onto +-1/sqrt(fan_in).
+    `maxima` gathers each float segment's largest |value| (Segment.max_abs)."""
     for _ in range(entry.num_experts):
         buf = bytearray(entry.record_nbytes)
         for seg in entry.segments:
@@ -202,7 +212,10 @@ def _records(
                 levels = (1 << bits) - 1
                 value = 2 * a / levels if kind == "scales" else -a
                 jitter = 1 + 0.25 * rng.standard_normal(n).astype(np.float32)
-                data = _bf16(value * jitter).tobytes()
+                words = _bf16(value * jitter)
+                m, seen = max_abs(words, seg.dtype), maxima.get(seg.name, 0.0)
+                maxima[seg.name] = None if m is None or seen is None else max(m, seen)
+                data = words.tobytes()
             if seg.blocked:  # the same values, stored as the kernel reads them
                 dtype = np.uint32 if kind == "weight" else np.uint16
                 data = blocked(np.frombuffer(data, dtype).reshape(seg.shape)).tobytes()
