@@ -16,7 +16,10 @@ core at once (each copy its own process), beside a chain of one-cycle adds
 that gives the clock. With a converted model, the table adds what that
 ceiling allows its routed experts alone: prefill (a multiply and an add per
 weight and token) and decode (the rows' seven operations per lane-width, at
-the loop's two a lane-width of multiply-adds).
+the loop's two a lane-width of multiply-adds). The same program also reads
+a 512 MiB buffer with vector loads, on one core and on every core: what
+memory delivers, and the decode speed at which a token's routed records
+(top-k a layer, from the model's manifest) take all of it.
 """
 
 from __future__ import annotations
@@ -29,9 +32,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from moestream.formats import load_manifest
+
 SOURCE = r"""
 #include <immintrin.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #if defined(__AVX512F__)
 typedef __m512 V;
@@ -58,7 +65,28 @@ static double clock_hz(void) {
   for (long i = 0; i < n; i++) __asm__ volatile("add $1, %0" : "+r"(x));
   return n / (now() - a);
 }
-int main(void) {
+/* Memory read with vector loads: a 512 MiB buffer, touched first, then read
+   whole five times; prints "lanes GB/s". */
+static int read_memory(void) {
+  size_t n = (size_t)512 << 20, v = n / sizeof(V);
+  V *buf = aligned_alloc(64, n);
+  memset(buf, 1, n);
+  V acc[4] = {SET1(0), SET1(0), SET1(0), SET1(0)};
+  double best = 1e9;
+  for (int r = 0; r < 5; r++) {
+    double a = now();
+    for (size_t i = 0; i < v; i += 4)
+      for (int j = 0; j < 4; j++) acc[j] = ADD(acc[j], buf[i + j]);
+    __asm__ volatile("" ::: "memory");
+    double t = now() - a;
+    best = t < best ? t : best;
+  }
+  float keep = ((float *)&acc[0])[0] + ((float *)&acc[3])[0];
+  printf("%d %.6f %g\n", LANES, n / best / 1e9, keep);
+  return 0;
+}
+int main(int argc, char **argv) {
+  if (argc > 1) return read_memory();
   /* The prefill panel's loop, its operands in L1: at each k, four vectors of
      weights (64 rows) and four tokens' x, sixteen sums of a multiply then an
      add. */
@@ -104,16 +132,24 @@ def build(workdir: Path) -> Path:
     return exe
 
 
-def run(exe: Path, copies: int) -> tuple[int, float, float]:
+def run(exe: Path, copies: int, *mode: str) -> tuple[int, float, float]:
     """(lanes, G multiply-adds a second summed over `copies` processes, and
-    their mean G cycles a second)."""
+    their mean G cycles a second); with mode "read": (lanes, GB a second read
+    from memory summed over the copies, their mean of the last field)."""
     procs = [
-        subprocess.Popen([str(exe)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([str(exe), *mode], stdout=subprocess.PIPE, text=True)
         for _ in range(copies)
     ]
     outs = [p.communicate()[0].split() for p in procs]
     macs = sum(float(o[1]) for o in outs)
     return int(outs[0][0]), macs, statistics.mean(float(o[2]) for o in outs)
+
+
+def expert_bytes_per_token(model: Path) -> int:
+    """Bytes of the routed experts' records one token reads (top-k a layer)."""
+    cfg = json.loads((model / "config.json").read_text())
+    k = cfg.get("num_experts_per_tok") or cfg["moe_topk"]
+    return sum(layer.record_nbytes * k for layer in load_manifest(model).layers)
 
 
 def experts_per_token(model: Path) -> int:
@@ -133,10 +169,12 @@ def main() -> None:
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(Path(tmp))
-        one, every = [], []
-        for _ in range(args.repeats):  # interleaved: the load hits both alike
+        one, every, read_one, read_every = [], [], [], []
+        for _ in range(args.repeats):  # interleaved: the load hits all alike
             one.append(run(exe, 1))
             every.append(run(exe, cores))
+            read_one.append(run(exe, 1, "read"))
+            read_every.append(run(exe, cores, "read"))
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout
     print(f"load: {uptime.strip()}")
     lanes = one[0][0]
@@ -148,6 +186,9 @@ def main() -> None:
         ],
         "multiply-adds a cycle a core": [
             med(r[1] / r[2] / n for r in runs) for runs, n in ((one, 1), (every, cores))
+        ],
+        "GB a second read from memory (512 MiB a core)": [
+            med(r[1] for r in runs) for runs in (read_one, read_every)
         ],
     }
     print(
@@ -168,6 +209,12 @@ def main() -> None:
         print(f"| its experts alone, prefill ceiling, tok/s | | {macs / w:.0f} |")
         print(
             f"| its experts alone, decode ceiling, tok/s | | {macs * 2 / 7 / w:.0f} |"
+        )
+        read = rows["GB a second read from memory (512 MiB a core)"][1] * 1e9
+        nbytes = expert_bytes_per_token(args.model)
+        print(f"| its experts' records a token, MB | {nbytes / 1e6:.0f} | |")
+        print(
+            f"| its experts alone, decode from memory, tok/s | | {read / nbytes:.0f} |"
         )
 
 
