@@ -342,14 +342,16 @@ NB_MODULE(_native, m) {
       "quant_matmul",
       [](const mlx::core::array& x, const mlx::core::array& w,
          const mlx::core::array& scales, const mlx::core::array& biases,
-         int bits, int group_size, int threads) {
+         int bits, int group_size, int threads, bool fma, bool blocked) {
         return moestream::quant_matmul(
-            x, w, scales, biases, {bits, group_size}, threads);
+            x, w, scales, biases, {bits, group_size, fma}, threads, blocked);
       },
       "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a,
-      "threads"_a = 0,
+      "threads"_a = 0, "fma"_a = false, "blocked"_a = false,
       "mx.quantized_matmul(x, w, scales, biases, transpose=True) on the CPU, "
-      "bit for bit, over `threads` threads (0: every core).");
+      "bit for bit, over `threads` threads (0: every core); `blocked`: w, "
+      "scales and biases stored kernel_block() rows at a time, `fma`: their "
+      "products exact (fused dequantization; blocked only).");
   m.def(
       "exact_matmul",
       [](const mlx::core::array& a, const mlx::core::array& b, bool transpose_b,

@@ -1743,9 +1743,9 @@ void ExpertMlpMapped::eval_cpu(const std::vector<mx::array>& inputs,
 }
 
 static void quant_matmul_run(const std::vector<mx::array>& in, mx::array& out,
-                             QuantSpec spec, int threads) {
+                             QuantSpec spec, int threads, bool blocked) {
   Matrix m = matrix(in[1], in[2], in[3], spec, 0);
-  Kernels fn = kernels(spec); // row-major: QuantSpec::fma has no say
+  Kernels fn = kernels(spec, m.format, blocked); // row-major: spec.fma has no say
   int64_t tokens = in[0].size() / m.cols;
   std::vector<float> xt;
   const float* x = row_major(in[0], xt);
@@ -1782,14 +1782,14 @@ void QuantMatmul::eval_cpu(const std::vector<mx::array>& inputs,
                            std::vector<mx::array>& outputs) {
   dispatch(stream(), inputs, outputs[0],
            [inputs, out = outputs[0], spec = spec_,
-            threads = threads_or_all(threads_)]() mutable {
-             quant_matmul_run(inputs, out, spec, threads);
+            threads = threads_or_all(threads_), blocked = blocked_]() mutable {
+             quant_matmul_run(inputs, out, spec, threads, blocked);
            });
 }
 
 bool QuantMatmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const QuantMatmul&>(other);
-  return spec_ == o.spec_ && threads_ == o.threads_;
+  return spec_ == o.spec_ && threads_ == o.threads_ && blocked_ == o.blocked_;
 }
 
 static void check_float32(const mx::array& a, const char* what) {
@@ -1904,16 +1904,29 @@ mx::array expert_mlp_mapped(const mx::array& x, const mx::array& experts,
 
 mx::array quant_matmul(const mx::array& x, const mx::array& w,
                        const mx::array& scales, const mx::array& biases,
-                       QuantSpec spec, int threads) {
+                       QuantSpec spec, int threads, bool blocked) {
   auto s = mx::default_stream(mx::Device(mx::Device::cpu));
   int64_t cols = int64_t(w.shape(-1)) * 32 / spec.bits;
   check_spec(spec, cols);
   check_float32(x, "x");
-  check_float32(scales, "scales");
-  check_float32(biases, "biases");
+  if (!blocked) { // as MLX holds them
+    check_float32(scales, "scales");
+    check_float32(biases, "biases");
+  } else if (scales.dtype() != biases.dtype() ||
+             (scales.dtype() != mx::float32 && scales.dtype() != mx::bfloat16 &&
+              scales.dtype() != mx::float16)) {
+    throw std::invalid_argument(
+        "moestream kernel: blocked scales and biases must be float32, bfloat16 "
+        "or float16, both the same");
+  }
   if (x.shape(-1) != cols || w.ndim() != 2) {
     throw std::invalid_argument(
         "moestream kernel: x's last dim must match the 2-D weight's input dims");
+  }
+  if (blocked && (w.shape(0) % kBlock != 0)) {
+    throw std::invalid_argument(
+        "moestream kernel: a blocked weight's rows must be a multiple of "
+        "kernel_block()");
   }
   auto shape = x.shape();
   shape.back() = w.shape(0);
@@ -1922,7 +1935,7 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w,
                                    row_contiguous(scales, s),
                                    row_contiguous(biases, s)};
   return mx::array(shape, mx::float32,
-                   std::make_shared<QuantMatmul>(s, spec, threads),
+                   std::make_shared<QuantMatmul>(s, spec, threads, blocked),
                    std::move(inputs));
 }
 

@@ -204,11 +204,13 @@ class ExpertMlp : public CpuKernel {
 };
 
 // x `[..., K]` @ dequantized(w `[N, K * bits / 32]`).T: mx.quantized_matmul
-// with transpose=True, exactly.
+// with transpose=True, exactly. `blocked`: w, scales and biases stored
+// kernel_block() rows at a time (as blocked slots hold an expert), read by the
+// blocked kernels (with one fused multiply-add where spec.fma says it is exact).
 class QuantMatmul : public CpuKernel {
  public:
-  QuantMatmul(mx::Stream s, QuantSpec spec, int threads)
-      : CpuKernel(s), spec_(spec), threads_(threads) {}
+  QuantMatmul(mx::Stream s, QuantSpec spec, int threads, bool blocked)
+      : CpuKernel(s), spec_(spec), threads_(threads), blocked_(blocked) {}
   void eval_cpu(const std::vector<mx::array>& inputs,
                 std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -219,6 +221,7 @@ class QuantMatmul : public CpuKernel {
  private:
   QuantSpec spec_;
   int threads_;
+  bool blocked_;
 };
 
 // ExpertMlp on records read in place: inputs x `[T, D]` and the routed
@@ -295,6 +298,6 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      std::shared_ptr<ExpertCache> fills = nullptr);
 mx::array quant_matmul(const mx::array& x, const mx::array& w,
                        const mx::array& scales, const mx::array& biases,
-                       QuantSpec spec, int threads);
+                       QuantSpec spec, int threads, bool blocked = false);
 
 } // namespace moestream

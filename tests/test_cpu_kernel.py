@@ -262,6 +262,40 @@ def test_kernel_linear_swaps_in_exactly():
     assert mx.array_equal(layer(x.astype(mx.float16)), theirs16).item()
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
+@pytest.mark.parametrize("scales", ["float32", "bfloat16"])
+def test_a_blocked_kernel_linear_equals_quantized_linear(bits, group_size, scales):
+    """use_dense_kernel stores a layer blocked: bfloat16 scales and biases as
+    bfloat16 with the fused dequantization, others as float32 unfused; its
+    decode rows and prefill panels equal MLX's layer bit for bit, and MLX's
+    own op (a float16 input) still reads the weights as MLX holds them."""
+    mx.random.seed(bits + group_size)
+    layer = nn.QuantizedLinear(256, 96, bias=True, group_size=group_size, bits=bits)
+    if scales == "bfloat16":  # as a float32 model loads a converted layer
+        for name in ("scales", "biases"):
+            layer[name] = layer[name].astype(mx.bfloat16).astype(mx.float32)
+    xs = [mx.random.normal((1, t, 256)) for t in (1, 2, 7, 300)]
+    theirs = [layer(x) for x in xs]
+    theirs16 = layer(xs[0].astype(mx.float16))
+    assert native.use_dense_kernel(layer, _plan(cpu_kernel=True)) == 1
+    assert layer._blocked
+    assert layer.scales.dtype == getattr(mx, scales)
+    assert layer._fma == (scales == "bfloat16" and native.fma_matches_mlx())
+    for x, y in zip(xs, theirs, strict=True):
+        assert mx.array_equal(layer(x), y).item()
+    assert mx.array_equal(layer(xs[0].astype(mx.float16)), theirs16).item()
+
+
+def test_a_layer_of_partial_blocks_stays_in_mlxs_layout():
+    layer = nn.QuantizedLinear(128, 72, bias=False, group_size=64, bits=4)
+    x = mx.random.normal((1, 3, 128))
+    theirs = layer(x)
+    assert native.use_dense_kernel(layer, _plan(cpu_kernel=True)) == 1
+    assert not layer._blocked  # 72 rows: not whole blocks of 16
+    assert mx.array_equal(layer(x), theirs).item()
+
+
 def test_bad_input_raises_one_clear_line():
     glu = _switch(64, 64, 2, [(4, 32)] * 3)
     inds = mx.zeros((1, 1, 1), mx.uint32)

@@ -35,7 +35,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
-from ..formats import ExpertLayer, Segment
+from ..formats import ExpertLayer, Segment, unblocked
 from .store import ExpertReadError, blocked
 
 if TYPE_CHECKING:  # the plan imports this module to choose the backend
@@ -541,18 +541,97 @@ def mapped_kernel(
 
 
 class KernelLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose float32 matmul runs on the CPU kernel."""
+    """nn.QuantizedLinear whose float32 matmul runs on the CPU kernel.
+
+    Once `block()` has turned it, its weight, scales and biases are stored
+    kernel_block() rows at a time, as blocked slots hold an expert (the same
+    values; the blocked kernels read a vector's rows in one load), scales and
+    biases as bfloat16 where every one of them is a bfloat16 (widened back
+    exactly), and dequantized with one fused multiply-add where exact_fma's
+    proof holds (bfloat16 scales, no product past float32's range). MLX's own
+    op, for other inputs, then reads them turned back."""
+
+    _blocked = False
+    _fma = False
+
+    def block(self) -> bool:
+        """Store this layer blocked (see the class); False, and nothing
+        changed, where it has float scales other than float32 or rows that
+        are not whole blocks."""
+        w, scales, biases = self["weight"], self["scales"], self.get("biases")
+        if (
+            self._blocked
+            or biases is None
+            or scales.dtype != mx.float32
+            or biases.dtype != mx.float32
+            or w.shape[0] % kernel_block()
+        ):
+            return False
+        s, b = np.array(scales), np.array(biases)
+        as_bf16 = _bfloat16_exact(s) and _bfloat16_exact(b)
+        self._fma = (
+            _bfloat16_exact(s)
+            and bool(np.isfinite(s).all())
+            and float(np.abs(s).max(initial=0.0)) * (2**self.bits - 1) <= _FLOAT32_MAX
+            and fma_matches_mlx()
+        )
+        self["weight"] = mx.array(blocked(np.array(w), kernel_block()))
+        for name, a in (("scales", s), ("biases", b)):
+            if as_bf16:  # the upper halves of the float32 words: bfloat16
+                words = (a.view(np.uint32) >> 16).astype(np.uint16)
+                self[name] = mx.array(blocked(words, kernel_block())).view(mx.bfloat16)
+            else:
+                self[name] = mx.array(blocked(a, kernel_block()))
+        self._blocked = True
+        return True
+
+    def _unblocked(self) -> tuple[mx.array, mx.array, mx.array]:
+        """The weight, float32 scales and biases in MLX's layout."""
+
+        def turn(a: mx.array) -> mx.array:
+            if a.dtype == mx.bfloat16:
+                words = unblocked(np.array(a.view(mx.uint16)), kernel_block())
+                return mx.array(words.astype(np.uint32) << 16).view(mx.float32)
+            return mx.array(unblocked(np.array(a), kernel_block()))
+
+        return turn(self["weight"]), turn(self["scales"]), turn(self["biases"])
 
     def __call__(self, x: mx.array) -> mx.array:
-        w, scales, biases = self["weight"], self["scales"], self["biases"]
-        if x.dtype != mx.float32 or scales.dtype != mx.float32:
-            return super().__call__(x)
-        y = _native.quant_matmul(
-            x, w, scales, biases, self.bits, self.group_size, self._kernel_threads
-        )
+        w, scales, biases = self["weight"], self["scales"], self.get("biases")
+        if x.dtype != mx.float32 or (scales.dtype != mx.float32 and not self._blocked):
+            if not self._blocked:
+                return super().__call__(x)
+            w, scales, biases = self._unblocked()
+            y = mx.quantized_matmul(
+                x,
+                w,
+                scales=scales,
+                biases=biases,
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
+        else:
+            y = _native.quant_matmul(
+                x,
+                w,
+                scales,
+                biases,
+                self.bits,
+                self.group_size,
+                self._kernel_threads,
+                fma=self._fma,
+                blocked=self._blocked,
+            )
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+def _bfloat16_exact(a: np.ndarray) -> bool:
+    """Whether every float32 of `a` is a bfloat16 (its low 16 bits zero)."""
+    return not (np.ascontiguousarray(a).view(np.uint32) & 0xFFFF).any()
 
 
 class KernelRMSNorm(nn.RMSNorm):
@@ -619,9 +698,10 @@ def start_kernel_pool(plan: ExecutionPlan) -> None:
 
 
 def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
-    """Turn the model's affine nn.QuantizedLinear layers into KernelLinear,
-    its nn.RMSNorm into KernelRMSNorm and its nn.RoPE into KernelRoPE, where
-    the plan runs the CPU kernel; the number turned."""
+    """Turn the model's affine nn.QuantizedLinear layers into KernelLinear
+    (stored blocked where they can be: KernelLinear.block), its nn.RMSNorm
+    into KernelRMSNorm and its nn.RoPE into KernelRoPE, where the plan runs
+    the CPU kernel; the number turned."""
     if not plan.cpu_kernel:
         return 0
     n = 0
@@ -631,6 +711,7 @@ def use_dense_kernel(model: nn.Module, plan: ExecutionPlan) -> int:
         if type(module) is nn.QuantizedLinear and module.mode == "affine":
             module.__class__ = KernelLinear
             module._kernel_threads = plan.tuning.kernel_threads
+            module.block()
             n += 1
         elif type(module) is nn.RMSNorm and norms:
             module.__class__ = KernelRMSNorm
