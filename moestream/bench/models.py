@@ -129,6 +129,9 @@ def _write_into(
 ) -> Manifest:
     mx.random.seed(seed)
     model = build_model(config)
+    # bfloat16, as the manifest says and as a bfloat16 checkpoint converts:
+    # the dense layers' scales and biases come out bfloat16 too.
+    model.set_dtype(mx.bfloat16)
     switches = {p: layer_index(p) for p in switch_modules(model)}
     quantization = recipe.dense.to_mlx()
     modules = dict(model.named_modules())
