@@ -282,10 +282,12 @@ def test_cpu_slots_are_backed_by_huge_pages():
     release = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
     if release < (6, 1):
         pytest.skip("MADV_COLLAPSE (what the slots already hold) needs Linux 6.1")
-    # A buffer no earlier test asked huge pages for: MLX's cache (which would
-    # hand back a freed slot array of this process) emptied first.
+    # A mapping of its own that no earlier test asked huge pages for: MLX's
+    # cache (which would hand back a freed slot array) emptied first, and
+    # past glibc's largest mmap threshold (32 MiB), so not inside the heap,
+    # whose other parts may be on huge pages (smaps counts a whole mapping).
     mx.clear_cache()
-    a = mx.ones((16 << 20,), mx.uint8)
+    a = mx.ones((64 << 20,), mx.uint8)
     mx.eval(a)
     address = np.asarray(memoryview(a)).ctypes.data  # MLX's own buffer
     if "[madvise]" in thp.read_text():  # none unless asked for
