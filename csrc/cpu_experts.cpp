@@ -1799,6 +1799,26 @@ static void check_float32(const mx::array& a, const char* what) {
   }
 }
 
+// A projection's scales and biases, and its rows where `blocked`: float32 as
+// MLX holds them; blocked, also bfloat16 or float16 (both the same), and
+// rows in whole blocks.
+static void check_quantized(const mx::array& w, const mx::array& sc,
+                            const mx::array& bi, bool blocked) {
+  if (!blocked || sc.dtype() != bi.dtype() || sc.dtype() == mx::float32) {
+    check_float32(sc, "scales"); // blocked ones may be bfloat16 or float16
+    check_float32(bi, "biases");
+  } else if (sc.dtype() != mx::bfloat16 && sc.dtype() != mx::float16) {
+    throw std::invalid_argument(
+        "moestream kernel: blocked scales and biases must be float32, "
+        "bfloat16 or float16");
+  }
+  if (blocked && w.shape(-2) % kBlock) {
+    throw std::invalid_argument(
+        "moestream kernel: blocked weights need rows in multiples of " +
+        std::to_string(kBlock));
+  }
+}
+
 mx::array expert_mlp(const mx::array& x, const mx::array& inds,
                      const std::vector<mx::array>& weights,
                      const std::vector<QuantSpec>& specs, int threads,
@@ -1819,20 +1839,8 @@ mx::array expert_mlp(const mx::array& x, const mx::array& inds,
   }
   for (int p = 0; p < 3; p++) {
     check_spec(specs[p], weights[3 * p].shape(-1) * 32 / specs[p].bits);
-    const mx::array &sc = weights[3 * p + 1], &bi = weights[3 * p + 2];
-    if (!blocked || sc.dtype() != bi.dtype() || sc.dtype() == mx::float32) {
-      check_float32(sc, "scales"); // blocked slots may keep bfloat16 or float16
-      check_float32(bi, "biases");
-    } else if (sc.dtype() != mx::bfloat16 && sc.dtype() != mx::float16) {
-      throw std::invalid_argument(
-          "moestream kernel: blocked slots' scales and biases must be float32, "
-          "bfloat16 or float16");
-    }
-    if (blocked && weights[3 * p].shape(-2) % kBlock) {
-      throw std::invalid_argument(
-          "moestream kernel: blocked slots need rows in multiples of " +
-          std::to_string(kBlock));
-    }
+    check_quantized(weights[3 * p], weights[3 * p + 1], weights[3 * p + 2],
+                    blocked);
   }
   for (auto& w : weights) {
     inputs.push_back(row_contiguous(w, s));
@@ -1909,25 +1917,11 @@ mx::array quant_matmul(const mx::array& x, const mx::array& w,
   int64_t cols = int64_t(w.shape(-1)) * 32 / spec.bits;
   check_spec(spec, cols);
   check_float32(x, "x");
-  if (!blocked) { // as MLX holds them
-    check_float32(scales, "scales");
-    check_float32(biases, "biases");
-  } else if (scales.dtype() != biases.dtype() ||
-             (scales.dtype() != mx::float32 && scales.dtype() != mx::bfloat16 &&
-              scales.dtype() != mx::float16)) {
-    throw std::invalid_argument(
-        "moestream kernel: blocked scales and biases must be float32, bfloat16 "
-        "or float16, both the same");
-  }
   if (x.shape(-1) != cols || w.ndim() != 2) {
     throw std::invalid_argument(
         "moestream kernel: x's last dim must match the 2-D weight's input dims");
   }
-  if (blocked && (w.shape(0) % kBlock != 0)) {
-    throw std::invalid_argument(
-        "moestream kernel: a blocked weight's rows must be a multiple of "
-        "kernel_block()");
-  }
+  check_quantized(w, scales, biases, blocked);
   auto shape = x.shape();
   shape.back() = w.shape(0);
   std::vector<mx::array> inputs = {x, // read through its strides
