@@ -1,6 +1,7 @@
 """The one contract between converter and runtime: manifest, blobs, recipe."""
 
 from .blob import BlobReader, checksum, pack_record, write_blob
+from .dtypes import max_abs
 from .layout import BLOCK_ROWS, blocked, unblocked
 from .manifest import (
     BLOCKED_VERSION,
@@ -43,6 +44,7 @@ __all__ = [
     "format_version",
     "layer_layout",
     "load_manifest",
+    "max_abs",
     "pack_record",
     "record_layout",
     "stride_for",

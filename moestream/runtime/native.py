@@ -35,7 +35,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
-from ..formats import ExpertLayer, Segment, unblocked
+from ..formats import ExpertLayer, Segment, max_abs, unblocked
 from .store import ExpertReadError, blocked
 
 if TYPE_CHECKING:  # the plan imports this module to choose the backend
@@ -271,7 +271,8 @@ def kernel_block() -> int:
 
 
 def blocked_arrays(arrays: list[mx.array]) -> list[mx.array]:
-    """Stacked expert arrays `[E, rows, cols]` as blocked slots hold them."""
+    """Arrays `[..., rows, cols]` (stacked experts, or one layer's) as blocked
+    slots hold them."""
 
     def turn(a: mx.array) -> mx.array:
         if a.dtype != mx.bfloat16:
@@ -335,11 +336,17 @@ def exact_fma(scales: Segment | None, bits: int) -> bool:
     product past float32's range could round, which the converter's record
     of the largest scale (Segment.max_abs) rules out. Older output has no
     such record: never fused."""
+    return scales is not None and fma_exact(scales.dtype, scales.max_abs, bits)
+
+
+def fma_exact(dtype: str, largest: float | None, bits: int) -> bool:
+    """exact_fma's test on scales of `dtype` (their values all of it: a
+    float32 array may hold bfloat16 values) whose largest |scale| is
+    `largest` (None: not known, or not finite)."""
     return (
-        scales is not None
-        and scales.dtype in ("bfloat16", "float16")
-        and scales.max_abs is not None
-        and scales.max_abs * (2**bits - 1) <= _FLOAT32_MAX
+        dtype in ("bfloat16", "float16")
+        and largest is not None
+        and largest * (2**bits - 1) <= _FLOAT32_MAX
         and fma_matches_mlx()
     )
 
@@ -567,63 +574,56 @@ class KernelLinear(nn.QuantizedLinear):
             or w.shape[0] % kernel_block()
         ):
             return False
-        s, b = np.array(scales), np.array(biases)
-        as_bf16 = _bfloat16_exact(s) and _bfloat16_exact(b)
-        self._fma = (
-            _bfloat16_exact(s)
-            and bool(np.isfinite(s).all())
-            and float(np.abs(s).max(initial=0.0)) * (2**self.bits - 1) <= _FLOAT32_MAX
-            and fma_matches_mlx()
+        s = np.array(scales)
+        if _bfloat16_exact(s):
+            self._fma = fma_exact("bfloat16", max_abs(s, "float32"), self.bits)
+            if _bfloat16_exact(np.array(biases)):  # exactly as bfloat16
+                scales, biases = scales.astype(mx.bfloat16), biases.astype(mx.bfloat16)
+        self["weight"], self["scales"], self["biases"] = blocked_arrays(
+            [w, scales, biases]
         )
-        self["weight"] = mx.array(blocked(np.array(w), kernel_block()))
-        for name, a in (("scales", s), ("biases", b)):
-            if as_bf16:  # the upper halves of the float32 words: bfloat16
-                words = (a.view(np.uint32) >> 16).astype(np.uint16)
-                self[name] = mx.array(blocked(words, kernel_block())).view(mx.bfloat16)
-            else:
-                self[name] = mx.array(blocked(a, kernel_block()))
         self._blocked = True
         return True
 
-    def _unblocked(self) -> tuple[mx.array, mx.array, mx.array]:
-        """The weight, float32 scales and biases in MLX's layout."""
+    def _mlx(self, x: mx.array) -> mx.array:
+        """MLX's own op, on the weights in MLX's layout (turned back, scales
+        and biases float32, where blocked)."""
+        if not self._blocked:
+            return super().__call__(x)
 
         def turn(a: mx.array) -> mx.array:
-            if a.dtype == mx.bfloat16:
-                words = unblocked(np.array(a.view(mx.uint16)), kernel_block())
-                return mx.array(words.astype(np.uint32) << 16).view(mx.float32)
+            if a.dtype == mx.bfloat16:  # widened exactly
+                a = a.astype(mx.float32)
             return mx.array(unblocked(np.array(a), kernel_block()))
 
-        return turn(self["weight"]), turn(self["scales"]), turn(self["biases"])
+        w, scales, biases = (turn(self[k]) for k in ("weight", "scales", "biases"))
+        y = mx.quantized_matmul(
+            x,
+            w,
+            scales=scales,
+            biases=biases,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+        return y + self["bias"] if "bias" in self else y
 
     def __call__(self, x: mx.array) -> mx.array:
-        w, scales, biases = self["weight"], self["scales"], self.get("biases")
-        if x.dtype != mx.float32 or (scales.dtype != mx.float32 and not self._blocked):
-            if not self._blocked:
-                return super().__call__(x)
-            w, scales, biases = self._unblocked()
-            y = mx.quantized_matmul(
-                x,
-                w,
-                scales=scales,
-                biases=biases,
-                transpose=True,
-                group_size=self.group_size,
-                bits=self.bits,
-                mode=self.mode,
-            )
-        else:
-            y = _native.quant_matmul(
-                x,
-                w,
-                scales,
-                biases,
-                self.bits,
-                self.group_size,
-                self._kernel_threads,
-                fma=self._fma,
-                blocked=self._blocked,
-            )
+        w, scales, biases = self["weight"], self["scales"], self["biases"]
+        if x.dtype != mx.float32 or not (self._blocked or scales.dtype == mx.float32):
+            return self._mlx(x)
+        y = _native.quant_matmul(
+            x,
+            w,
+            scales,
+            biases,
+            self.bits,
+            self.group_size,
+            self._kernel_threads,
+            fma=self._fma,
+            blocked=self._blocked,
+        )
         if "bias" in self:
             y = y + self["bias"]
         return y
