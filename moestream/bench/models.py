@@ -35,7 +35,7 @@ from ..formats import (
     layer_layout,
     load_manifest,
 )
-from ..formats.dtypes import max_abs
+from ..formats.dtypes import gather_max_abs
 from ..formats.manifest import inside, with_max_abs
 from .tokenizer import write_tokenizer
 
@@ -216,8 +216,7 @@ def _records(
                 value = 2 * a / levels if kind == "scales" else -a
                 jitter = 1 + 0.25 * rng.standard_normal(n).astype(np.float32)
                 words = _bf16(value * jitter)
-                m, seen = max_abs(words, seg.dtype), maxima.get(seg.name, 0.0)
-                maxima[seg.name] = None if m is None or seen is None else max(m, seen)
+                gather_max_abs(maxima, seg.name, words, seg.dtype)
                 data = words.tobytes()
             if seg.blocked:  # the same values, stored as the kernel reads them
                 dtype = np.uint32 if kind == "weight" else np.uint16

@@ -26,7 +26,7 @@ from ..formats import (
     checksum,
     load_manifest,
 )
-from ..formats.dtypes import FLOAT_DTYPES, max_abs
+from ..formats.dtypes import FLOAT_DTYPES, gather_max_abs
 from ..formats.manifest import MANIFEST_NAME, ROWS, inside, with_max_abs
 from ..formats.verify import check_files
 from ..units import human_bytes
@@ -117,8 +117,7 @@ def _records(
         for old, seg in zip(layer.segments, entry.segments, strict=True):
             values = reader.segment(record, old)  # rows, whatever it was stored as
             if old.dtype in FLOAT_DTYPES:
-                m, seen = max_abs(values, old.dtype), maxima.get(old.name, 0.0)
-                maxima[old.name] = None if m is None or seen is None else max(m, seen)
+                gather_max_abs(maxima, old.name, values, old.dtype)
             data = blocked(values) if seg.blocked else values
             out[seg.offset : seg.offset + seg.nbytes] = data.tobytes()
         yield bytes(out)

@@ -46,3 +46,12 @@ def max_abs(values: np.ndarray, dtype: str) -> float | None:
     if not np.isfinite(v).all():
         return None
     return float(np.abs(v).max()) if v.size else 0.0
+
+
+def gather_max_abs(
+    maxima: dict[str, float | None], name: str, values: np.ndarray, dtype: str
+) -> None:
+    """Fold max_abs(values) into maxima[name], the largest over everything
+    gathered under `name` (None once any value was not finite)."""
+    m, seen = max_abs(values, dtype), maxima.get(name, 0.0)
+    maxima[name] = None if m is None or seen is None else max(m, seen)
